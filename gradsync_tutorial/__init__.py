@@ -1,0 +1,43 @@
+"""gradsync_tutorial: the plumbing behind the notebooks, so that they can show the lesson.
+
+Every notebook imports it the same way::
+
+    import gradsync_tutorial as gst
+    gst.launch(train, world_size=2)
+
+One module per concept: ``launcher`` (``launch``: run a notebook function on N ranks), ``data``
+(Fashion-MNIST as in-memory tensors), ``model`` (the course's CNN), ``checks`` (are the
+replicas equal?), ``plots`` (per-rank loss curves). Submodules are imported on first use, so
+that ``python -m gradsync_tutorial._worker`` starts without paying for matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved lazily by __getattr__ below.
+_EXPORTS = {
+    "launch": "launcher",
+    "shutdown_workers": "launcher",
+    "LaunchError": "launcher",
+    "RankFailedError": "launcher",
+    "LaunchTimeoutError": "launcher",
+}
+_SUBMODULES = ("launcher", "data", "model", "checks", "plots")
+
+__all__ = sorted(set(_EXPORTS) | set(_SUBMODULES))
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        return getattr(module, name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,708 @@
+"""Run a training function defined in a notebook cell on N ranks: ``launch(fn, world_size)``.
+
+    >>> import gradsync_tutorial as gst
+    >>> def hello(rank, world_size):
+    ...     import torch, torch.distributed as dist
+    ...     t = torch.tensor([rank + 1.0])
+    ...     dist.all_reduce(t)            # every rank receives the sum over all ranks
+    ...     return t.item()
+    >>> gst.launch(hello, world_size=2)   # doctest: +SKIP
+    [3.0, 3.0]
+
+Introduced in ``notebooks/00_launching_workers.ipynb``.
+
+How it works, and why not torch's own launchers
+-----------------------------------------------
+* ``torch.multiprocessing.spawn`` / ``start_processes(start_method="spawn")`` pickle ``fn`` *by
+  name*, and a function defined in a notebook has no importable name (``Can't get attribute 'fn'
+  on <module '__main__'>``). The ``fork`` start method (what Accelerate's ``notebook_launcher``
+  uses) breaks once CUDA is initialized in the kernel, does not exist on Windows, is unsafe on
+  macOS and is no longer the default from Python 3.14.
+* ``torch.distributed.elastic``'s process contexts redirect worker output to log *files*; under
+  pytest/nbval nothing copies them into the cell, and a rank's error reaches the notebook as a
+  path to a file.
+
+So this module starts **fresh interpreters** itself with :mod:`subprocess` and pipes
+(``python -m gradsync_tutorial._worker``), sends them ``fn`` serialized *by value* with
+``cloudpickle``, and reads every line they print back into the calling cell, tagged
+``[rank r]``. What torch does well it keeps: the workers get torchrun's environment (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+initialize the process group through torch's own ``env://`` rendezvous, against a
+:class:`torch.distributed.TCPStore` that the launcher hosts, exactly as the torchrun agent does
+(``TORCHELASTIC_USE_AGENT_STORE``). The store binds a port the OS picks, so two notebooks never
+collide and nothing can take the port between choosing and binding it.
+
+Starting Python and importing torch costs ~2 s a rank, so after a successful launch the workers
+stay alive, idle, for the next launch in the same kernel (``reuse_workers=True``): a repeat
+launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. Idle
+workers exit with the kernel (they watch their socket to it) or on :func:`shutdown_workers`.
+After any failure -- an exception, a dead rank, a timeout, an interrupt -- every worker is
+stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import linecache
+import os
+import queue
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ._worker import END_MARK
+
+__all__ = [
+    "LaunchError",
+    "LaunchTimeoutError",
+    "RankFailedError",
+    "launch",
+    "shutdown_workers",
+]
+
+BACKENDS = ("auto", "gloo", "nccl")
+GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
+TOKEN_BYTES = 16
+
+HANG_HINT = (
+    "The usual cause is a collective that not every rank called: a rank skipped it (for "
+    "example inside `if rank == 0:`), or the ranks ran different numbers of steps (uneven "
+    "data without drop_last). Every rank must make the same collective calls in the same "
+    "order. If the work is only slow, pass a larger timeout=."
+)
+
+
+class LaunchError(RuntimeError):
+    """A launch failed. ``failures`` maps each failed rank to what happened to it."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures = failures or {}
+
+
+class RankFailedError(LaunchError):
+    """A rank raised an exception, or its process died before returning.
+
+    ``rank`` is the rank that failed first; ``exc_type`` and ``traceback`` are its exception's
+    type name and the worker's formatted traceback (empty for a dead process).
+    """
+
+    def __init__(self, message, failures, rank, exc_type="", traceback=""):
+        super().__init__(message, failures)
+        self.rank, self.exc_type, self.traceback = rank, exc_type, traceback
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The launch ran past its ``timeout``; ``unfinished`` lists the ranks still running."""
+
+    def __init__(self, message, unfinished: list[int]):
+        super().__init__(message, {r: "did not finish" for r in unfinished})
+        self.unfinished = unfinished
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the call before any process starts
+# --------------------------------------------------------------------------------------------
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (the number of ranks), "
+                         f"got {world_size!r}. Try world_size=2.")
+    if not callable(fn):
+        raise TypeError(f"fn must be a function taking (rank, world_size, *args), "
+                        f"got {type(fn).__name__} {fn!r}.")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra arguments for fn, got "
+                        f"{type(args).__name__}. For one argument write args=({args!r},).")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: let them run
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(0, world_size, *args)
+        except TypeError as e:
+            name = getattr(fn, "__name__", repr(fn))
+            raise TypeError(
+                f"launch calls fn(rank, world_size, *args), but {name}{sig} cannot take "
+                f"{2 + len(args)} positional arguments ({e}). Define it as "
+                f"`def {name}(rank, world_size{', ...' if args else ''}):`."
+            ) from None
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} "
+                         "('auto' picks nccl when there is a GPU per rank, else gloo).")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}.")
+    if show_ranks is not None:
+        bad = [r for r in show_ranks if r not in range(world_size)]
+        if bad:
+            raise ValueError(f"show_ranks={list(show_ranks)} names ranks {bad} outside "
+                             f"0..{world_size - 1}.")
+    if master_port is not None:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", master_port))
+            except OSError as e:
+                raise OSError(f"master_port={master_port} is not free ({e.strerror}). Leave "
+                              "master_port=None and launch picks a free port.") from None
+
+
+def _resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
+    """Return (backend, device): nccl + cuda with a GPU per rank, else gloo + cpu."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cuda" if gpus >= world_size else "cpu"
+    if backend == "auto":
+        return ("nccl" if device == "cuda" else "gloo"), device
+    if backend == "nccl" and device != "cuda":
+        raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size}, "
+                         f"GPUs found: {gpus}. Use backend='gloo' (runs on the CPU) or "
+                         "backend='auto', or lower world_size.")
+    return backend, device
+
+
+def _serialize(fn, args) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((fn, tuple(args)))
+    except Exception as e:
+        raise TypeError(
+            f"could not send fn and args to the workers: {type(e).__name__}: {e}. Everything "
+            "fn uses is copied to each rank, so it must be serializable: pass tensors, numbers "
+            "and plain containers, and create objects such as open files, locks, data loaders "
+            "or process groups inside fn."
+        ) from e
+
+
+# --------------------------------------------------------------------------------------------
+# A group of worker processes
+# --------------------------------------------------------------------------------------------
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        name = _signal_name(returncode)
+        why = (" (SIGKILL usually means the machine ran out of memory and the kernel's OOM "
+               "killer stopped it)" if name == "SIGKILL" else "")
+        return f"was killed by {name} before returning a result{why}"
+    return f"exited with code {returncode} before returning a result"
+
+
+class _Workers:
+    """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.key = _pool_key(world_size)
+        self.events: queue.Queue = queue.Queue()
+        self.conns: list[Connection | None] = [None] * world_size
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(world_size)]
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.setblocking(False)
+        self.job_id = 0
+        self.show: set[int] = set(range(world_size))
+        host, port = self.server.getsockname()[:2]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADSYNC_CONTROL=f"{host}:{port}")
+        for rank in range(world_size):
+            env["GRADSYNC_TOKEN"] = self.tokens[rank].hex()
+            kwargs: dict[str, Any] = {}
+            if os.name == "posix":
+                kwargs["start_new_session"] = True  # own process group: we stop it whole
+            else:
+                kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gradsync_tutorial._worker"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=env, **kwargs,
+            )
+            self.procs.append(proc)
+            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                self._thread(self._read_lines, rank, name, pipe)
+
+    def _thread(self, target, *args):
+        t = threading.Thread(target=target, args=args, daemon=True, name="gradsync-reader")
+        t.start()
+        self.threads.append(t)
+
+    def _read_lines(self, rank, stream, pipe):
+        for raw in iter(pipe.readline, b""):
+            text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if text.startswith(END_MARK):
+                self.events.put(("mark", rank, stream, int(text.split()[-1])))
+            else:
+                self.events.put(("line", rank, stream, text))
+        self.events.put(("eof", rank, stream, None))
+
+    def _read_messages(self, rank, conn):
+        try:
+            while True:
+                self.events.put(("msg", rank, None, conn.recv()))
+        except (EOFError, OSError):
+            self.events.put(("closed", rank, None, None))
+
+    def _accept(self):
+        """Take any worker that has connected back; check its token to learn its rank."""
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.settimeout(5)
+            try:
+                token = b""
+                while len(token) < TOKEN_BYTES:
+                    chunk = sock.recv(TOKEN_BYTES - len(token))
+                    if not chunk:
+                        break
+                    token += chunk
+            except OSError:
+                token = b""
+            if token not in self.tokens or self.conns[self.tokens.index(token)] is not None:
+                sock.close()  # not one of ours
+                continue
+            rank = self.tokens.index(token)
+            sock.settimeout(None)
+            self.conns[rank] = Connection(sock.detach())
+            self._thread(self._read_messages, rank, self.conns[rank])
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    # -- the pump: everything the launcher waits for goes through here -------------------------
+
+    def pump(self, state: _JobState, deadline: float, done: Callable[[], bool]) -> None:
+        """Forward output and collect messages until ``done()``, a failure, or the deadline."""
+        while not done():
+            if not all(self.conns):
+                self._accept()
+            try:
+                kind, rank, stream, value = self.events.get(timeout=0.01)
+            except queue.Empty:
+                kind = None
+            if kind == "line":
+                if rank in self.show:
+                    print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
+            elif kind == "mark":
+                state.marks.add((rank, stream, value))
+            elif kind == "eof":
+                state.eofs.add((rank, stream))
+            elif kind == "msg":
+                state.on_message(rank, value)
+            for rank, proc in enumerate(self.procs):
+                if rank not in state.results and rank not in state.failures:
+                    returncode = proc.poll()
+                    if returncode is not None:
+                        state.fail(rank, f"rank {rank} {_describe_exit(returncode)}")
+            if state.failures:
+                return
+            if time.monotonic() > deadline:
+                raise _Deadline
+
+    def drain(self, state: _JobState, until: Callable[[], bool], seconds: float) -> None:
+        """Keep forwarding output for up to ``seconds`` until ``until()``; never raises."""
+        end = time.monotonic() + seconds
+        while not until() and time.monotonic() < end:
+            try:
+                kind, rank, stream, value = self.events.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if kind == "line" and rank in self.show:
+                print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
+            elif kind == "mark":
+                state.marks.add((rank, stream, value))
+            elif kind == "eof":
+                state.eofs.add((rank, stream))
+            elif kind == "msg":
+                state.on_message(rank, value)
+
+    def send(self, rank: int, message: tuple) -> None:
+        try:
+            self.conns[rank].send(message)
+        except OSError:
+            pass  # it died: the pump sees the exit and reports it
+
+    def stop(self) -> None:
+        """Stop every worker (SIGTERM to its process group, SIGKILL after a grace period)."""
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGTERM)
+        end = time.monotonic() + GRACE_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            _signal_group(proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+            proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.server.close()
+        for t in self.threads:
+            t.join(timeout=1)
+        for proc in self.procs:
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the worker and anything it started (its data-loader workers, say)."""
+    if proc.poll() is not None and os.name != "posix":
+        return
+    try:
+        if os.name == "posix":
+            os.killpg(proc.pid, sig)
+        elif sig == signal.SIGTERM:
+            proc.terminate()
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+class _Deadline(Exception):
+    pass
+
+
+class _JobState:
+    """What the launcher knows about one job: results, failures, end marks seen."""
+
+    def __init__(self, job_id: int):
+        self.job_id = job_id
+        self.results: dict[int, bytes] = {}
+        self.failures: dict[int, str] = {}
+        self.errors: dict[int, tuple] = {}
+        self.order: list[int] = []  # ranks in the order they failed
+        self.ready: set[int] = set()
+        self.marks: set = set()
+        self.eofs: set = set()
+        self.sent = False  # has the job been sent (the ranks are past start-up)?
+
+    def fail(self, rank: int, description: str) -> None:
+        if rank not in self.failures:
+            self.failures[rank] = description
+            self.order.append(rank)
+
+    def on_message(self, rank: int, message: tuple) -> None:
+        kind, job_id, *rest = message
+        if job_id != self.job_id:
+            return
+        if kind == "ok":
+            self.results[rank] = rest[0]
+        elif kind == "error":
+            exc_type, text, tb, pickled = rest
+            self.errors[rank] = (exc_type, text, tb, pickled)
+            self.fail(rank, f"rank {rank} raised {exc_type}: {text}")
+        elif kind == "ready":
+            self.ready.add(rank)
+
+    def output_complete(self, ranks: Iterable[int]) -> bool:
+        return all(
+            (r, s, self.job_id) in self.marks or (r, s) in self.eofs
+            for r in ranks for s in ("stdout", "stderr")
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The idle pool, kept between launches
+# --------------------------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_idle: _Workers | None = None
+
+
+def _pool_key(world_size: int) -> tuple:
+    return (world_size, sys.executable, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _take_workers(world_size: int, reuse: bool) -> tuple[_Workers, bool]:
+    """Return (workers, reused): the idle pool if it fits, else freshly started processes."""
+    global _idle
+    with _pool_lock:
+        pool, _idle = _idle, None
+    if pool is not None:
+        if reuse and pool.key == _pool_key(world_size) and pool.alive():
+            return pool, True
+        pool.stop()
+    return _Workers(world_size), False
+
+
+def _give_back(workers: _Workers, reuse: bool) -> None:
+    global _idle
+    if reuse:
+        with _pool_lock:
+            if _idle is None:
+                _idle = workers
+                return
+    workers.stop()
+
+
+def shutdown_workers() -> None:
+    """Stop the idle workers kept for the next launch (they also stop with the kernel).
+
+    Call it after editing a module that your training function imports, so that the next
+    launch starts fresh interpreters that import the new code.
+
+        >>> import gradsync_tutorial as gst
+        >>> gst.shutdown_workers()
+    """
+    global _idle
+    with _pool_lock:
+        pool, _idle = _idle, None
+    if pool is not None:
+        pool.stop()
+
+
+atexit.register(shutdown_workers)
+
+
+# --------------------------------------------------------------------------------------------
+# launch()
+# --------------------------------------------------------------------------------------------
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "auto",
+    timeout: float = 300.0,
+    num_threads: int | None = None,
+    show_ranks: Iterable[int] | None = None,
+    reuse_workers: bool = True,
+    master_port: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    Each rank is a fresh Python process with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and the default
+    process group already initialized, so the body of ``fn`` runs unchanged under torchrun.
+    Every line a rank prints appears in the calling cell as ``[rank r] ...``.
+
+    Args:
+        fn: the function each rank runs. It may be defined in a notebook cell, be a lambda or
+            a closure: it is sent to the workers by value (cloudpickle).
+        world_size: how many ranks (processes) to start.
+        args: extra positional arguments, copied to every rank.
+        backend: ``"auto"`` (nccl with one GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
+            With a GPU per rank, each rank's current device is ``cuda:LOCAL_RANK``.
+        timeout: seconds the whole launch may take, start-up included. Past it every rank is
+            stopped and :class:`LaunchTimeoutError` names the ranks that had not finished.
+        num_threads: ``torch.set_num_threads`` in each rank; default: CPU cores // world_size,
+            at least 1, so that the ranks do not oversubscribe a laptop.
+        show_ranks: print only these ranks' output (default: all ranks).
+        reuse_workers: keep the processes for the next launch in this kernel (fast restarts).
+        master_port: the rendezvous port; default ``None``: a free port picked by the OS.
+
+    Returns:
+        The ranks' return values, ordered by rank. Tensors in them arrive on the CPU.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or died.
+        LaunchTimeoutError: ``timeout`` passed first (typically a rank skipped a collective).
+        KeyboardInterrupt: re-raised after every rank has been stopped.
+
+    Example:
+        >>> import gradsync_tutorial as gst
+        >>> gst.launch(lambda rank, world_size: rank * 10, world_size=2)  # doctest: +SKIP
+        [0, 10]
+    """
+    _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
+    backend, device = _resolve_backend(backend, world_size)
+    payload = _serialize(fn, args)
+    num_threads = num_threads or max(1, _cpu_count() // world_size)
+
+    import torch.distributed as dist
+
+    # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
+    store = dist.TCPStore("127.0.0.1", master_port or 0, is_master=True,
+                          wait_for_workers=False, timeout=_timedelta(timeout))
+    start = time.monotonic()
+    deadline = start + timeout
+    workers, _ = _take_workers(world_size, reuse_workers)
+    workers.show = set(range(world_size) if show_ranks is None else show_ranks)
+    workers.job_id += 1
+    state = _JobState(workers.job_id)
+    try:
+        workers.pump(state, deadline, lambda: all(workers.conns))
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+        for rank in range(world_size):
+            env = dict(base_env, **_torchrun_env(rank, world_size, store.port, num_threads))
+            job = dict(payload=payload, env=env, cwd=os.getcwd(), sys_path=list(sys.path),
+                       backend=backend, device=device, num_threads=num_threads,
+                       collective_timeout=timeout + 30)  # our timeout reports it first
+            workers.send(rank, ("job", state.job_id, job))
+        state.sent = True
+        workers.pump(state, deadline, lambda: len(state.results) == world_size)
+        if not state.failures:
+            workers.drain(state, lambda: state.output_complete(range(world_size)), 5.0)
+            for rank in range(world_size):
+                workers.send(rank, ("teardown", state.job_id))
+            workers.pump(state, deadline, lambda: len(state.ready) == world_size)
+    except _Deadline:
+        workers.stop()
+        workers.drain(state, lambda: True, 0)
+        _raise_timeout(state, world_size, timeout, started=all(workers.conns))
+    except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
+        workers.stop()
+        raise
+    finally:
+        del store  # closes the port
+
+    if state.failures:
+        # Give the other ranks a moment to report errors of their own (an error raised on
+        # every rank), then stop them all, and show what the failed ranks printed.
+        first = state.order[0]
+        workers.drain(state, lambda: len(state.failures) == world_size, 0.05)
+        workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
+        workers.stop()
+        workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
+        _raise_failure(state, first, _source_files(fn))
+
+    _give_back(workers, reuse_workers)
+    import cloudpickle
+
+    return [cloudpickle.loads(state.results[rank]) for rank in range(world_size)]
+
+
+def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
+    """The variables torchrun sets for a single-node job (see ``torchrun --help``)."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(num_threads),
+    }
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def _raise_timeout(state: _JobState, world_size: int, timeout: float, started: bool):
+    unfinished = [r for r in range(world_size) if r not in state.results]
+    finished = [r for r in range(world_size) if r in state.results]
+    if not started:
+        raise LaunchTimeoutError(
+            f"the {world_size} worker processes did not start within timeout={timeout:g} s "
+            "(each one imports torch). On a slow or busy machine pass a larger timeout=.",
+            unfinished,
+        )
+    done = f" ({_ranks(finished)} returned)" if finished else ""
+    raise LaunchTimeoutError(
+        f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
+        f"All ranks were stopped. {HANG_HINT}",
+        unfinished,
+    )
+
+
+def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
+    # Ranks that fail just after the first one usually fail *because* of it (their peer's
+    # socket closed under a collective): list them, but lead with the first.
+    others = "".join(f"\n  then {state.failures[r]}" for r in state.order if r != first)
+    others = f"\nOther ranks, after it (often a consequence):{others}" if others else ""
+    if first in state.errors:
+        exc_type, text, tb, pickled = state.errors[first]
+        tb = _with_source_lines(tb, sources)
+        message = (f"rank {first} raised {exc_type}: {text}\nAll ranks were stopped.{others}"
+                   f"\n\nTraceback from rank {first}:\n{tb}")
+        error = RankFailedError(message, dict(state.failures), first, exc_type, tb)
+        cause = None
+        if pickled is not None:
+            try:
+                import cloudpickle
+
+                cause = cloudpickle.loads(pickled)
+            except Exception:  # noqa: BLE001 - the message already has everything
+                cause = None
+        raise error from cause
+    when = "" if state.sent else " while starting up, before running fn (its output is above)"
+    message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}"
+    raise RankFailedError(message, dict(state.failures), first)
+
+
+def _source_files(fn) -> dict[str, str]:
+    """Map function name -> source file for ``fn`` and the functions it uses.
+
+    cloudpickle renames the code it ships ``<dynamic-code>``; with this map the launcher
+    puts the notebook cell's file name and source line back into a worker's traceback.
+    """
+    files: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def visit(obj, depth=0):
+        code = getattr(obj, "__code__", None)
+        if code is None or id(code) in seen or depth > 3:
+            return
+        seen.add(id(code))
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            files.setdefault(c.co_name, c.co_filename)
+            stack.extend(k for k in c.co_consts if hasattr(k, "co_filename"))
+        for name in code.co_names:
+            visit(getattr(obj, "__globals__", {}).get(name), depth + 1)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                visit(cell.cell_contents, depth + 1)
+            except ValueError:  # empty cell
+                pass
+
+    visit(fn)
+    return files
+
+
+def _with_source_lines(tb: str, sources: dict[str, str]) -> str:
+    def fix(match):
+        line, name = int(match.group(1)), match.group(2)
+        path = sources.get(name)
+        if path is None:
+            return match.group(0)
+        text = linecache.getline(path, line).strip()
+        return f'File "{path}", line {line}, in {name}' + (f"\n    {text}" if text else "")
+
+    return re.sub(r'File "<dynamic-code>", line (\d+), in (\S+)', fix, tb)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks))

@@ -1,0 +1,46 @@
+"""Shared test helpers: find the launcher's worker processes, so tests can prove none is left."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def worker_pids() -> list[int]:
+    """PIDs of live ``gradsync_tutorial._worker`` processes started by this process (Linux)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if b"gradsync_tutorial._worker" in cmdline and ppid == os.getpid() and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def no_workers_left():
+    """After the test: no worker of this process is alive, idle pool included."""
+    import gradsync_tutorial as gst
+
+    yield
+    gst.shutdown_workers()
+    assert worker_pids() == []

@@ -1,0 +1,392 @@
+"""gradsync_tutorial.launch: real worker processes, gloo on the CPU.
+
+Every failure case ends with a check that no worker process is left (the `no_workers_left`
+fixture). Functions are defined inside the tests (closures), in a `__main__` script and in a
+real notebook, since functions defined where the worker cannot import them are the point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import gradsync_tutorial as gst
+from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
+
+from .conftest import REPO, pid_alive, worker_pids
+
+pytestmark = pytest.mark.usefixtures("no_workers_left")
+
+
+# -- success ---------------------------------------------------------------------------------
+
+
+def test_closure_results_ordered_by_rank_tensors_on_cpu():
+    captured = torch.arange(3.0)
+
+    def fn(rank, world_size, scale):
+        import torch.distributed as dist
+
+        t = captured * (rank + 1)
+        dist.all_reduce(t)  # every rank receives the sum over all ranks
+        return {"rank": rank, "sum": t, "scale": scale}
+
+    results = gst.launch(fn, world_size=3, args=(10,))
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for r in results:
+        assert torch.equal(r["sum"], captured * 6)
+        assert r["sum"].device.type == "cpu"
+        assert r["scale"] == 10
+
+
+def test_worker_environment_is_torchruns():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"]
+        return {k: os.environ[k] for k in keys} | {
+            "initialized": dist.is_initialized(), "backend": dist.get_backend(),
+            "threads": torch.get_num_threads(), "dist_rank": dist.get_rank(),
+        }
+
+    results = gst.launch(fn, world_size=2)
+    cores = len(os.sched_getaffinity(0))
+    for rank, env in enumerate(results):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank) == str(env["dist_rank"])
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["initialized"] and env["backend"] == "gloo"
+        assert env["threads"] == max(1, cores // 2)
+    assert results[0]["MASTER_PORT"] == results[1]["MASTER_PORT"]
+    # The rendezvous port is released when launch returns.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", int(results[0]["MASTER_PORT"])))
+    assert gst.launch(lambda rank, ws: torch.get_num_threads(), 2, num_threads=1) == [1, 1]
+
+
+def test_output_is_prefixed_and_filterable(capsys):
+    def fn(rank, world_size):
+        print(f"hello from {rank}")
+        print(f"warning from {rank}", file=sys.stderr)
+        os.write(1, f"raw fd write {rank}\n".encode())  # below Python: still shown
+
+    gst.launch(fn, world_size=2)
+    out, err = capsys.readouterr()
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello from {rank}" in out.splitlines()
+        assert f"[rank {rank}] raw fd write {rank}" in out.splitlines()
+        assert f"[rank {rank}] warning from {rank}" in err.splitlines()
+    gst.launch(fn, world_size=2, show_ranks=[1])
+    out, err = capsys.readouterr()
+    assert "[rank 1] hello from 1" in out and "[rank 0]" not in out + err
+
+
+def test_repeat_launch_reuses_the_same_workers():
+    pids = gst.launch(lambda rank, ws: os.getpid(), world_size=2)
+    assert gst.launch(lambda rank, ws: os.getpid(), world_size=2) == pids
+    # reuse_workers=False: fresh interpreters (new code imported), stopped after the launch.
+    fresh = gst.launch(lambda rank, ws: os.getpid(), 2, reuse_workers=False)
+    assert set(fresh).isdisjoint(pids)
+    assert worker_pids() == []
+    # A different world size cannot reuse the pool: it is replaced.
+    three = gst.launch(lambda rank, ws: os.getpid(), world_size=3)
+    assert gst.launch(lambda rank, ws: os.getpid(), world_size=3) == three
+
+
+def _run_script(code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, **kwargs)
+
+
+def test_function_defined_in_main_script():
+    proc = _run_script("""
+        import gradsync_tutorial as gst
+
+        def train(rank, world_size):
+            print("training on", rank)
+            return rank * 10
+
+        if __name__ == "__main__":
+            print("results", gst.launch(train, world_size=2))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "results [0, 10]" in proc.stdout
+    assert "[rank 1] training on 1" in proc.stdout
+
+
+def test_function_defined_in_a_notebook_cell():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import gradsync_tutorial as gst\nimport torch"),
+        nbformat.v4.new_code_cell(textwrap.dedent("""
+            class Box:  # a class defined in the notebook travels too
+                def __init__(self, v):
+                    self.v = v
+
+            def train(rank, world_size):
+                import torch.distributed as dist
+                t = torch.tensor([Box(rank + 1).v], dtype=torch.float32)
+                dist.all_reduce(t)
+                print("sum", t.item())
+                return t.item()
+
+            print("results", gst.launch(train, world_size=2))
+        """)),
+        nbformat.v4.new_code_cell("gst.launch(lambda rank, ws: 1 / 0, world_size=2)"),
+    ]
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                     allow_errors=True, resources={"metadata": {"path": REPO}})
+    client.execute()
+    text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "results [3.0, 3.0]" in text
+    assert "[rank 0] sum 3.0" in text and "[rank 1] sum 3.0" in text
+    error = nb.cells[2].outputs[-1]
+    assert error["ename"] == "RankFailedError"
+    assert "raised ZeroDivisionError: division by zero" in error["evalue"]
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_rank_raises_names_rank_type_message_and_source_line(capsys):
+    def train(rank, world_size):
+        import torch.distributed as dist
+
+        print(f"step 1 on {rank}")
+        if rank == 1:
+            raise ValueError("loss is NaN on rank 1")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(train, world_size=2)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert str(err).startswith("rank 1 raised ValueError: loss is NaN on rank 1")
+    assert 'raise ValueError("loss is NaN on rank 1")' in str(err)  # the user's line
+    assert __file__ in err.traceback
+    assert isinstance(err.__cause__, ValueError)
+    assert "[rank 1] step 1 on 1" in capsys.readouterr().out
+    assert worker_pids() == []
+
+
+def test_every_rank_raises():
+    def fn(rank, world_size):
+        raise KeyError(f"missing-{rank}")
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    assert set(info.value.failures) == {0, 1}
+    assert "Other ranks, after it" in str(info.value)
+    assert worker_pids() == []
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [("kill", "was killed by SIGKILL"), ("exit", "exited with code 3")],
+)
+def test_rank_dies_without_result(how, expected):
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        if rank == 1:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    assert str(info.value).startswith(f"rank 1 {expected} before returning a result")
+    assert info.value.rank == 1
+    assert worker_pids() == []
+
+
+def test_skipped_collective_times_out_naming_the_stuck_rank():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        if rank == 0:  # the bug: only rank 0 calls the collective
+            dist.all_reduce(torch.ones(1))
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        gst.launch(fn, world_size=2, timeout=6)
+    assert time.monotonic() - start < 6 + 5
+    assert info.value.unfinished == [0]
+    message = str(info.value)
+    assert "rank 0 had not finished (rank 1 returned)" in message
+    assert "skipped" in message and "timeout=" in message
+    assert worker_pids() == []
+
+
+def test_unserializable_return_value_is_reported():
+    with pytest.raises(RankFailedError, match="could not be serialized back"):
+        gst.launch(lambda rank, ws: threading.Lock(), world_size=2)
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    def fn(rank, world_size):
+        print("sleeping")
+        time.sleep(60)
+
+    timer = threading.Timer(4.0, __import__("_thread").interrupt_main)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gst.launch(fn, world_size=2)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 15
+    assert worker_pids() == []
+
+
+KERNEL_SCRIPT = """
+    import os, sys, time
+    import gradsync_tutorial as gst
+
+    def fn(rank, world_size):
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+
+    try:
+        gst.launch(fn, world_size=2)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(42)
+"""
+
+
+def _start_kernel_like(code: str) -> tuple[subprocess.Popen, list[int]]:
+    """Start a script that launches 2 sleeping ranks; return it and the ranks' pids."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids = []
+    deadline = time.monotonic() + 60
+    while len(pids) < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if " pid " in line:
+            pids.append(int(line.split()[-1]))
+    assert len(pids) == 2
+    return proc, pids
+
+
+def _wait_dead(pids, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(map(pid_alive, pids))
+
+
+@pytest.mark.parametrize("target", ["process", "process group"])
+def test_sigint_to_kernel_stops_ranks(target):
+    proc, pids = _start_kernel_like(KERNEL_SCRIPT)
+    if target == "process":
+        proc.send_signal(signal.SIGINT)
+    else:  # what Jupyter's stop button does to a kernel started in its own group
+        os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 42 and "KeyboardInterrupt" in out
+    assert _wait_dead(pids)
+
+
+def test_killed_kernel_leaves_no_orphans():
+    proc, pids = _start_kernel_like(KERNEL_SCRIPT)
+    proc.kill()  # SIGKILL: no cleanup code runs in the kernel at all
+    proc.wait()
+    assert _wait_dead(pids), "workers outlived a killed kernel"
+
+
+def test_two_launches_at_once_do_not_collide():
+    code = """
+        import gradsync_tutorial as gst, torch
+
+        def fn(rank, world_size):
+            import torch.distributed as dist
+            t = torch.ones(1)
+            for _ in range(200):
+                dist.all_reduce(t)
+                t /= world_size
+            return t.item()
+
+        print("result", gst.launch(fn, world_size=2))
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "result [1.0, 1.0]" in out
+
+
+def test_taken_master_port_fails_fast_and_busy_env_port_is_ignored(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"master_port={port} is not free"):
+            gst.launch(lambda rank, ws: rank, 2, master_port=port)
+        assert worker_pids() == []
+        # A MASTER_PORT left in the kernel's environment is not used: launch picks its own.
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        ports = gst.launch(lambda rank, ws: os.environ["MASTER_PORT"], world_size=2)
+        assert ports[0] == ports[1] != str(port)
+
+
+# -- bad input fails fast, before any process starts -----------------------------------------
+
+
+def _ok(rank, world_size):
+    return rank
+
+
+def _needs_three(rank, world_size, a, b, c):
+    return rank
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, "world_size must be a positive int"),
+        ({"world_size": 1.5}, ValueError, "world_size must be a positive int"),
+        ({"world_size": True}, ValueError, "world_size must be a positive int"),
+        ({"fn": 42}, TypeError, "fn must be a function taking"),
+        ({"fn": lambda: 0}, TypeError, r"launch calls fn\(rank, world_size, \*args\)"),
+        ({"fn": _needs_three, "args": (1,)}, TypeError, "cannot take 3 positional"),
+        ({"args": 5}, TypeError, r"args=\(5,\)"),
+        ({"fn": lambda r, w, lock: 0, "args": (threading.Lock(),)}, TypeError,
+         "could not send fn and args"),
+        ({"backend": "mpi"}, ValueError, "unknown backend 'mpi'"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive number"),
+        ({"num_threads": 0}, ValueError, "num_threads must be a positive int"),
+        ({"show_ranks": [2]}, ValueError, r"outside 0..1"),
+    ],
+)
+def test_bad_input_fails_fast(kwargs, error, match):
+    call = {"fn": _ok, "world_size": 2} | kwargs
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        gst.launch(call.pop("fn"), **call)
+    assert time.monotonic() - start < 1.0
+    assert worker_pids() == []
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
+def test_nccl_without_gpus_fails_fast():
+    with pytest.raises(ValueError, match="backend='nccl' needs one CUDA GPU per rank"):
+        gst.launch(_ok, world_size=2, backend="nccl")
+    assert worker_pids() == []
