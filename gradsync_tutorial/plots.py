@@ -1,0 +1,134 @@
+"""Per-rank loss curves, with the single-process run dashed behind them for comparison.
+
+    >>> from gradsync_tutorial.plots import plot_loss_curves
+    >>> fig = plot_loss_curves([[2.3, 1.9, 1.2], [2.2, 1.8, 1.1]], baseline=[2.3, 1.8, 1.2])
+    >>> [line.get_label() for line in fig.axes[0].lines]
+    ['single process', 'rank 0', 'rank 1']
+
+Each rank sees a different shard of the data, so its own loss curve wiggles differently even
+when the replicas stay equal; what must match the single-process run is the *trend* (and, with
+averaged gradients and the same global batch, the parameters themselves: see ``checks``).
+
+Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+# pyplot picks the backend: Jupyter's inline one in a notebook, and without a screen (a server,
+# CI) it falls back to Agg, which draws into memory. Nothing here calls plt.show().
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+__all__ = ["plot_loss_curves"]
+
+# Shades for the baseline curves: black for the first, greys for any others.
+BASELINE_COLORS = ("black", "dimgray", "darkgray", "silver")
+DPI = 150  # for saved PNGs: sharp on a slide, small in git
+
+# One loss curve: a list of floats, a 1-D tensor or array, a list of 0-d tensors...
+Series = Iterable[float]
+
+
+def _images_dir() -> Path:
+    """``<repo>/images`` in a checkout of the tutorial, else ``./images``."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "pyproject.toml").is_file():
+        return repo / "images"
+    return Path.cwd() / "images"
+
+
+def _floats(values: Series) -> list[float]:
+    return [float(v) for v in values]  # also takes tensors and arrays, element by element
+
+
+def _save_path(save: str | os.PathLike[str]) -> Path:
+    path = Path(save).expanduser()
+    if len(path.parts) == 1:  # a bare file name: into the repository's images/ folder
+        path = _images_dir() / path
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def plot_loss_curves(
+    histories: Sequence[Series] | Mapping[int, Series],
+    *,
+    baseline: Series | Mapping[str, Series] | None = None,
+    title: str | None = None,
+    xlabel: str = "step",
+    ylabel: str = "training loss",
+    labels: Sequence[str] | None = None,
+    save: str | os.PathLike[str] | None = None,
+    ax: Axes | None = None,
+) -> Figure:
+    """Draw one loss curve per rank (and optional dashed baselines); return the figure.
+
+    Args:
+        histories: the losses of each rank, ``histories[r][step]`` (what ``gst.launch``
+            returns when each rank returns its list of losses), or a dict ``{rank: losses}``.
+        baseline: a reference run drawn dashed in black, labelled ``"single process"``; or a
+            dict ``{label: losses}`` for several (black, then greys).
+        title, xlabel, ylabel: the axes' texts.
+        labels: legend labels for the ranks (default ``"rank 0"``, ``"rank 1"``, ...).
+        save: also write a PNG. A bare file name (``"loss.png"``) goes into the repository's
+            ``images/`` folder; any other path is used as given. ``.png`` is added if there is
+            no suffix.
+        ax: draw into these axes instead of a new figure (for side-by-side panels).
+
+    Returns:
+        The :class:`~matplotlib.figure.Figure`. In Jupyter a new figure is shown when the cell
+        ends; write ``fig = plot_loss_curves(...)`` (or end the line with ``;``) so that it is
+        not shown a second time as the cell's value. Outside Jupyter, ``fig.savefig(...)``.
+
+    Example:
+        >>> from gradsync_tutorial.plots import plot_loss_curves
+        >>> losses = [[2.3, 1.7, 1.1], [2.2, 1.6, 1.2]]   # two ranks, three steps
+        >>> fig = plot_loss_curves(losses, baseline={"1 process": [2.3, 1.6, 1.1]},
+        ...                        title="2 ranks vs 1 process")
+        >>> len(fig.axes[0].lines)
+        3
+
+    Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
+    """
+    if isinstance(histories, Mapping):
+        ranks, curves = list(histories.keys()), list(histories.values())
+    else:
+        curves = list(histories)
+        ranks = list(range(len(curves)))
+    if labels is None:
+        labels = [f"rank {r}" for r in ranks]
+    elif len(labels) != len(curves):
+        raise ValueError(f"got {len(labels)} labels for {len(curves)} loss histories.")
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+    else:
+        fig = ax.figure
+
+    # Baselines first, so that the ranks' curves are drawn on top of them.
+    if baseline is not None:
+        refs = baseline if isinstance(baseline, Mapping) else {"single process": baseline}
+        for i, (label, values) in enumerate(refs.items()):
+            ys = _floats(values)
+            ax.plot(range(len(ys)), ys, linestyle="--", linewidth=2,
+                    color=BASELINE_COLORS[i % len(BASELINE_COLORS)], label=label)
+
+    for i, (label, values) in enumerate(zip(labels, curves, strict=True)):
+        ys = _floats(values)
+        ax.plot(range(len(ys)), ys, color=f"C{i % 10}", linewidth=1.2, alpha=0.9, label=label)
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    if save is not None:
+        fig.savefig(_save_path(save), dpi=DPI)
+    return fig

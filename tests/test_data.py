@@ -1,0 +1,286 @@
+"""Loading the data set: every source in order, on small IDX files written here.
+
+The synthetic files go through the real path (torchvision's reader included); only the network
+is never touched: every call passes download=False, or replaces the download step.
+"""
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradsync_tutorial import data
+
+FILES = data.RAW_FILES
+DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+def idx_images(pixels: np.ndarray) -> bytes:
+    """IDX3: magic 2051 (unsigned bytes, 3 dims), then N, rows, cols, all big-endian."""
+    n, rows, cols = pixels.shape
+    return struct.pack(">IIII", 2051, n, rows, cols) + pixels.astype(np.uint8).tobytes()
+
+
+def idx_labels(labels: np.ndarray) -> bytes:
+    """IDX1: magic 2049 (unsigned bytes, 1 dim), then N, big-endian."""
+    return struct.pack(">II", 2049, len(labels)) + labels.astype(np.uint8).tobytes()
+
+
+@pytest.fixture
+def fake():
+    """Six training and four test images with known pixels and labels."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (6, 28, 28), dtype=np.uint8),
+        "train-labels-idx1-ubyte": np.array([0, 1, 2, 3, 9, 5], dtype=np.uint8),
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (4, 28, 28), dtype=np.uint8),
+        "t10k-labels-idx1-ubyte": np.array([7, 8, 9, 0], dtype=np.uint8),
+    }
+    blobs = {
+        name: (idx_images(a) if "images" in name else idx_labels(a)) for name, a in arrays.items()
+    }
+    return arrays, blobs
+
+
+@pytest.fixture(autouse=True)
+def no_system_copies(monkeypatch):
+    """Unless a test says otherwise, no Debian copy exists anywhere."""
+    monkeypatch.setattr(data, "DEBIAN_DIRS", {"fashion-mnist": (), "mnist": ()})
+
+
+def write_unpacked(folder: Path, blobs: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, blob in blobs.items():
+        (folder / name).write_bytes(blob)
+
+
+def write_gzipped(folder: Path, blobs: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, blob in blobs.items():
+        (folder / f"{name}.gz").write_bytes(gzip.compress(blob))
+
+
+def expected_images(pixels: np.ndarray, mean: float, std: float) -> torch.Tensor:
+    x = torch.from_numpy(pixels.astype(np.float64)) / 255
+    return ((x - mean) / std).unsqueeze(1)
+
+
+def check_split(images, labels, pixels, label_values, mean, std):
+    n = len(pixels)
+    assert images.shape == (n, 1, 28, 28) and images.dtype == torch.float32
+    assert labels.shape == (n,) and labels.dtype == torch.int64
+    assert labels.tolist() == label_values.tolist()
+    expected = expected_images(pixels, mean, std)
+    torch.testing.assert_close(images.double(), expected, rtol=0, atol=1e-6)
+    # The statistics follow from the pixels: mean and std shift and scale with the formula.
+    scaled = pixels.astype(np.float64) / 255
+    assert images.double().mean().item() == pytest.approx((scaled.mean() - mean) / std, abs=1e-6)
+    assert images.double().std().item() == pytest.approx(scaled.std(ddof=1) / std, rel=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. unpacked files under ROOT/<Folder>/raw/
+# --------------------------------------------------------------------------------------------
+
+
+def test_loads_unpacked_files_normalized(tmp_path, fake):
+    arrays, blobs = fake
+    write_unpacked(tmp_path / "FashionMNIST" / "raw", blobs)
+
+    images, labels = data.load(root=tmp_path, download=False)
+    check_split(images, labels, arrays["train-images-idx3-ubyte"],
+                arrays["train-labels-idx1-ubyte"], 0.2860, 0.3530)
+
+    test_images, test_labels = data.load(train=False, root=tmp_path, download=False)
+    check_split(test_images, test_labels, arrays["t10k-images-idx3-ubyte"],
+                arrays["t10k-labels-idx1-ubyte"], 0.2860, 0.3530)
+
+
+def test_load_is_cached(tmp_path, fake):
+    write_unpacked(tmp_path / "FashionMNIST" / "raw", fake[1])
+    first = data.load(root=tmp_path, download=False)
+    again = data.load("Fashion_MNIST", root=str(tmp_path), download=False)  # same data set
+    assert again[0] is first[0] and again[1] is first[1]
+
+
+def test_mnist_uses_its_own_folder_and_statistics(tmp_path, fake):
+    arrays, blobs = fake
+    write_unpacked(tmp_path / "MNIST" / "raw", blobs)
+    images, labels = data.load("mnist", root=tmp_path, download=False)
+    check_split(images, labels, arrays["train-images-idx3-ubyte"],
+                arrays["train-labels-idx1-ubyte"], 0.1307, 0.3081)
+    with pytest.raises(FileNotFoundError):  # the Fashion-MNIST folder is still empty
+        data.load("fashion-mnist", root=tmp_path, download=False)
+
+
+def test_present_files_need_neither_download_nor_system_copy(tmp_path, fake, monkeypatch):
+    write_unpacked(tmp_path / "FashionMNIST" / "raw", fake[1])
+    monkeypatch.setattr(data, "_try_download", lambda *a: pytest.fail("tried to download"))
+    monkeypatch.setattr(data, "_unpack_system_copy", lambda *a: pytest.fail("tried Debian"))
+    assert data.prepare(root=tmp_path, download=True) == tmp_path / "FashionMNIST" / "raw"
+
+
+def test_truncated_file_gets_a_clear_error(tmp_path, fake):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    write_unpacked(raw, fake[1])
+    blob = fake[1]["train-images-idx3-ubyte"]
+    (raw / "train-images-idx3-ubyte").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(RuntimeError, match="truncated"):
+        data.load(root=tmp_path, download=False)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. and 3. download, then the Debian/Ubuntu copy
+# --------------------------------------------------------------------------------------------
+
+
+def test_unpacks_the_debian_copy(tmp_path, fake, monkeypatch):
+    arrays, blobs = fake
+    debian = tmp_path / "usr-share-datasets-fashion-mnist"
+    write_gzipped(debian, blobs)
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+    root = tmp_path / "root"
+
+    images, labels = data.load(root=root, download=False)
+
+    raw = root / "FashionMNIST" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)  # no leftover temp files
+    for name in FILES:
+        assert (raw / name).read_bytes() == blobs[name]
+    check_split(images, labels, arrays["train-images-idx3-ubyte"],
+                arrays["train-labels-idx1-ubyte"], 0.2860, 0.3530)
+
+
+def test_download_is_tried_before_the_debian_copy(tmp_path, fake, monkeypatch):
+    debian = tmp_path / "debian"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+    calls = []
+
+    def offline(info, root):
+        calls.append(("download", info.folder, root))
+        return "URLError: <urlopen error [Errno -2] Name or service not known>"
+
+    monkeypatch.setattr(data, "_try_download", offline)
+    raw = data.prepare(root=tmp_path / "root", download=True)
+    assert calls == [("download", "FashionMNIST", tmp_path / "root")]
+    assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)
+
+
+def test_debian_copy_fills_only_missing_files(tmp_path, fake, monkeypatch):
+    debian = tmp_path / "debian"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+    raw = tmp_path / "root" / "FashionMNIST" / "raw"
+    write_unpacked(raw, {"train-images-idx3-ubyte": fake[1]["train-images-idx3-ubyte"]})
+    before = (raw / "train-images-idx3-ubyte").stat().st_mtime_ns
+    data.prepare(root=tmp_path / "root", download=False)
+    assert (raw / "train-images-idx3-ubyte").stat().st_mtime_ns == before
+    assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)
+
+
+def test_a_packaged_mnist_copy_is_used_the_same_way(tmp_path, fake, monkeypatch):
+    debian = tmp_path / "mnist-package"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "mnist", (tmp_path / "absent", debian))
+    images, _ = data.load("mnist", root=tmp_path / "root", download=False)
+    assert len(images) == 6
+    assert (tmp_path / "root" / "MNIST" / "raw" / "t10k-images-idx3-ubyte").is_file()
+
+
+# --------------------------------------------------------------------------------------------
+# 4. nothing anywhere
+# --------------------------------------------------------------------------------------------
+
+
+def test_nothing_anywhere_names_every_option(tmp_path, monkeypatch):
+    missing = tmp_path / "no-such-dir"
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (missing,))
+    with pytest.raises(FileNotFoundError) as info:
+        data.load(root=tmp_path / "root", download=False)
+    message = str(info.value)
+    for needle in (
+        str(tmp_path / "root" / "FashionMNIST" / "raw"),  # 1. where files were looked for
+        "download=False",  # 2. the download was not tried
+        str(missing),  # 3. where a packaged copy was looked for
+        "apt install dataset-fashion-mnist",
+        "python -m gradsync_tutorial.data",  # how to pre-fetch for an offline workshop
+        "make data",
+        "GRADSYNC_DATA",
+    ):
+        assert needle in message, needle
+    assert not (tmp_path / "root").exists()  # a failed look leaves nothing behind
+
+
+def test_failed_download_reason_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "_try_download", lambda info, root: "URLError: no network")
+    with pytest.raises(FileNotFoundError, match="failed: URLError: no network"):
+        data.prepare("mnist", root=tmp_path, download=True)
+
+
+def test_unknown_dataset(tmp_path):
+    with pytest.raises(ValueError, match="fashion-mnist, mnist"):
+        data.load("cifar10", root=tmp_path, download=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the data lives by default
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_root(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRADSYNC_DATA", raising=False)
+    repo = Path(data.__file__).resolve().parent.parent
+    assert data._default_root() == repo / "data"  # the tests run from a checkout
+    monkeypatch.setenv("GRADSYNC_DATA", str(tmp_path / "shared"))
+    assert data._default_root() == tmp_path / "shared"
+    assert data._resolve_root(None) == (tmp_path / "shared").resolve()  # read at call time
+
+
+# --------------------------------------------------------------------------------------------
+# python -m gradsync_tutorial.data
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_prepares_from_the_debian_copy(tmp_path, fake, monkeypatch, capsys):
+    debian = tmp_path / "debian"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+    root = tmp_path / "root"
+
+    assert data.main(["--root", str(root), "--no-download"]) == 0
+
+    out = capsys.readouterr().out
+    assert f"Fashion-MNIST is ready in {root / 'FashionMNIST' / 'raw'}" in out
+    assert "train:      6 images (1, 28, 28)" in out
+    assert "test :      4 images (1, 28, 28)" in out
+    assert sorted(p.name for p in (root / "FashionMNIST" / "raw").iterdir()) == sorted(FILES)
+
+
+def test_cli_reports_missing_data(tmp_path, capsys):
+    assert data.main(["--dataset", "mnist", "--root", str(tmp_path), "--no-download"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: MNIST was not found")
+    assert "python -m gradsync_tutorial.data --dataset mnist" in err
+
+
+# --------------------------------------------------------------------------------------------
+# The real thing, when Debian's package is installed
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not DEBIAN_FASHION.is_dir(), reason="dataset-fashion-mnist not installed")
+def test_real_fashion_mnist_from_the_debian_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (DEBIAN_FASHION,))
+    images, labels = data.load(root=tmp_path, download=False)
+    assert images.shape == (60000, 1, 28, 28) and labels.shape == (60000,)
+    assert labels.unique().tolist() == list(range(10))
+    # The standard constants were computed on this training set: mean ~0, std ~1.
+    assert abs(images.mean().item()) < 0.01
+    assert abs(images.std().item() - 1) < 0.01
+    test_images, test_labels = data.load(train=False, root=tmp_path, download=False)
+    assert test_images.shape == (10000, 1, 28, 28) and test_labels.shape == (10000,)
+    assert torch.bincount(test_labels).tolist() == [1000] * 10

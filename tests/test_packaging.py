@@ -1,0 +1,59 @@
+"""The set-up files agree with each other, so the pip and conda routes install the same thing."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name, where they differ
+
+
+def _split(requirement: str) -> tuple[str, str]:
+    name, spec = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*(.*)$", requirement).groups()
+    return name.lower(), spec.replace(" ", "")
+
+
+def _pyproject() -> dict[str, str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = project["dependencies"] + project["optional-dependencies"]["dev"]
+    return {CONDA_NAMES.get(n, n): s for n, s in map(_split, reqs)}
+
+
+def _environment_yml() -> dict[str, str]:
+    deps, inside = {}, False
+    for line in (REPO / "environment.yml").read_text().splitlines():
+        if line.startswith("dependencies:"):
+            inside = True
+        elif inside and re.match(r"^  - [A-Za-z]", line):
+            name, spec = _split(line[4:])
+            if name not in {"python", "pip"}:
+                deps[name] = spec
+    return deps
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    assert _environment_yml() == _pyproject()
+
+
+def test_environment_yml_installs_this_package_with_dev_extra():
+    assert "- -e .[dev]" in (REPO / "environment.yml").read_text()
+
+
+def test_torch_ranges_admit_the_versions_this_course_is_tested_with():
+    deps = _pyproject()
+    assert deps["pytorch"] == ">=2.4" and deps["torchvision"] == ">=0.19"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "make test" in readme and re.search(r"^make test\b", ci, re.M)
