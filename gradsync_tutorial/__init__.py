@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "launch": "launcher",
     "shutdown_workers": "launcher",
+    "local_device": "launcher",
     "LaunchError": "launcher",
     "RankFailedError": "launcher",
     "LaunchTimeoutError": "launcher",

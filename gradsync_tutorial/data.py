@@ -160,6 +160,7 @@ def _gunzip(src: Path, dst: Path) -> None:
     try:
         with gzip.open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
             shutil.copyfileobj(fin, fout, length=1 << 20)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared data folder must be readable
         os.replace(tmp, dst)  # atomic: two ranks unpacking at once both end with whole files
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -188,28 +189,27 @@ def _not_found_message(key: str, info: DatasetInfo, root: Path, download: bool,
         step2 = f"failed: {download_error}"
     dirs = DEBIAN_DIRS.get(key, ())
     if dirs:
-        where = ", ".join(str(d) for d in dirs)
-        step3 = f"no packaged copy in {where}"
-        if info.debian_package:
-            step3 += f" (Debian/Ubuntu: `sudo apt install {info.debian_package}`)"
+        step3 = "none in " + ", ".join(str(d) for d in dirs)
     else:
-        step3 = "no system package ships it"
+        step3 = f"none (no Debian/Ubuntu package ships {info.title})"
     flag = "" if key == "fashion-mnist" else f" --dataset {key}"
+    make = "make data" if not flag else f"make data DATA_FLAGS='{flag.strip()}'"
     return (
         f"{info.title} was not found, and could not be fetched.\n"
         f"  1. unpacked files in {raw}/: missing {', '.join(_missing(raw))}\n"
         f"  2. torchvision's download: {step2}\n"
-        f"  3. {step3}\n"
+        f"  3. a system package's copy: {step3}\n"
         "To get it, do one of:\n"
         f"  * on a machine with internet, run `python -m gradsync_tutorial.data{flag}` (or "
-        "`make data`) in the repository, then copy its data/ folder to this machine as "
+        f"`{make}`) in the repository, then copy its data/ folder to this machine as "
         f"{root}/ (for an offline workshop: do this once, share the folder);\n"
         f"  * set GRADSYNC_DATA=/path/to/folder, a folder that contains {info.folder}/raw/, or "
         "pass root= / --root;\n"
         + (f"  * install the package: `sudo apt install {info.debian_package}`;\n"
            if info.debian_package else "")
-        + "  * on a machine with internet, call again with download=True."
-    )
+        + ("  * on a machine with internet, call again with download=True (the default; on "
+           "the command line: without --no-download).\n" if not download else "")
+    ).rstrip()
 
 
 def prepare(

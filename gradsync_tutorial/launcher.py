@@ -66,6 +66,7 @@ __all__ = [
     "LaunchTimeoutError",
     "RankFailedError",
     "launch",
+    "local_device",
     "shutdown_workers",
 ]
 
@@ -181,6 +182,25 @@ def _resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
                          f"GPUs found: {gpus}. Use backend='gloo' (runs on the CPU) or "
                          "backend='auto', or lower world_size.")
     return backend, device
+
+
+def local_device():
+    """This rank's device: ``cuda:LOCAL_RANK`` when there is a GPU per local rank, else CPU.
+
+    The rule ``launch`` uses to pick nccl or gloo; it reads the same variables under
+    ``torchrun``, so training code that calls it moves to a script unchanged.
+
+        >>> import gradsync_tutorial as gst
+        >>> gst.local_device()          # in the notebook itself: rank 0 of 1
+        device(type='cpu')
+    """
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
 def _serialize(fn, args) -> bytes:

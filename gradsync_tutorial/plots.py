@@ -9,7 +9,8 @@ Each rank sees a different shard of the data, so its own loss curve wiggles diff
 when the replicas stay equal; what must match the single-process run is the *trend* (and, with
 averaged gradients and the same global batch, the parameters themselves: see ``checks``).
 
-Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
+Introduced in ``notebooks/01_single_device_baseline.ipynb`` (the baseline alone); the ranks'
+curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def plot_loss_curves(
         >>> len(fig.axes[0].lines)
         3
 
-    Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
+    Introduced in ``notebooks/01_single_device_baseline.ipynb`` (the baseline alone); the ranks'
+curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
     """
     if isinstance(histories, Mapping):
         ranks, curves = list(histories.keys()), list(histories.values())

@@ -150,6 +150,7 @@ def test_unpacks_the_debian_copy(tmp_path, fake, monkeypatch):
     assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)  # no leftover temp files
     for name in FILES:
         assert (raw / name).read_bytes() == blobs[name]
+        assert (raw / name).stat().st_mode & 0o644 == 0o644  # readable in a shared folder
     check_split(images, labels, arrays["train-images-idx3-ubyte"],
                 arrays["train-labels-idx1-ubyte"], 0.2860, 0.3530)
 
