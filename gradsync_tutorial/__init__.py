@@ -26,7 +26,7 @@ _EXPORTS = {
     "RankFailedError": "launcher",
     "LaunchTimeoutError": "launcher",
 }
-_SUBMODULES = ("launcher", "data", "model", "checks", "plots")
+_SUBMODULES = ("launcher", "data", "model", "checks", "plots", "detect", "averaging", "exercises")
 
 __all__ = sorted(set(_EXPORTS) | set(_SUBMODULES))
 
