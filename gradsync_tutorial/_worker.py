@@ -44,10 +44,17 @@ def _to_cpu(obj):
 
 
 def _end_of_job(job_id: int) -> None:
-    """Flush both streams and mark the end of this job's output on each."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.write(f"{END_MARK} {job_id}\n")
-        stream.flush()
+    """Flush both streams and mark the end of this job's output on each.
+
+    The marks go to the original streams, in case ``fn`` replaced ``sys.stdout``.
+    """
+    for stream, original in ((sys.stdout, sys.__stdout__), (sys.stderr, sys.__stderr__)):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a stream fn closed or broke
+            pass
+        original.write(f"{END_MARK} {job_id}\n")
+        original.flush()
 
 
 def _run_job(job: dict) -> tuple:
@@ -57,7 +64,9 @@ def _run_job(job: dict) -> tuple:
     import torch.distributed as dist
 
     try:
-        os.environ.update(job["env"])
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo a previous job's swap
+        os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
+        os.environ.update(job["env"], PYTHONUNBUFFERED="1")
         if job["cwd"] and os.path.isdir(job["cwd"]):
             os.chdir(job["cwd"])
         sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]

@@ -279,6 +279,7 @@ class _Workers:
     def _read_lines(self, rank, stream, pipe):
         for raw in iter(pipe.readline, b""):
             text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            text = text.rsplit("\r", 1)[-1]  # a progress bar redrawn with \r: its last state
             if text.startswith(END_MARK):
                 self.events.put(("mark", rank, stream, int(text.split()[-1])))
             else:
@@ -600,7 +601,7 @@ def launch(
         workers.drain(state, lambda: True, 0)
         _raise_timeout(state, world_size, timeout, started=all(workers.conns))
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
-        workers.stop()
+        _stop_despite_interrupts(workers)
         raise
     finally:
         del store  # closes the port
@@ -619,6 +620,16 @@ def launch(
     import cloudpickle
 
     return [cloudpickle.loads(state.results[rank]) for rank in range(world_size)]
+
+
+def _stop_despite_interrupts(workers: _Workers) -> None:
+    """Stop the workers even if the user presses the stop button again meanwhile."""
+    while True:
+        try:
+            workers.stop()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:

@@ -91,6 +91,24 @@ def test_output_is_prefixed_and_filterable(capsys):
     assert "[rank 1] hello from 1" in out and "[rank 0]" not in out + err
 
 
+def test_reused_worker_starts_clean(capsys, monkeypatch):
+    def fn(rank, world_size):
+        import io
+
+        print(f"visible {os.environ.get('GST_TEST_VAR')}")
+        sys.stderr.write("progress 10%\rprogress 100%\n")  # a bar redrawn with \r
+        sys.stdout = io.StringIO()  # a job that swaps stdout and never restores it
+        print("swallowed")
+
+    monkeypatch.setenv("GST_TEST_VAR", "one")
+    gst.launch(fn, world_size=2)
+    monkeypatch.delenv("GST_TEST_VAR")
+    gst.launch(fn, world_size=2)  # same workers: stdout restored, environment the kernel's
+    out, err = capsys.readouterr()
+    assert out.count("[rank 0] visible one") == 1 and out.count("[rank 0] visible None") == 1
+    assert err.count("[rank 1] progress 100%") == 2 and "10%" not in err
+
+
 def test_repeat_launch_reuses_the_same_workers():
     pids = gst.launch(lambda rank, ws: os.getpid(), world_size=2)
     assert gst.launch(lambda rank, ws: os.getpid(), world_size=2) == pids
