@@ -328,19 +328,7 @@ class _Workers:
         while not done():
             if not all(self.conns):
                 self._accept()
-            try:
-                kind, rank, stream, value = self.events.get(timeout=0.01)
-            except queue.Empty:
-                kind = None
-            if kind == "line":
-                if rank in self.show:
-                    print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
-            elif kind == "mark":
-                state.marks.add((rank, stream, value))
-            elif kind == "eof":
-                state.eofs.add((rank, stream))
-            elif kind == "msg":
-                state.on_message(rank, value)
+            self._handle_next_event(state)
             for rank, proc in enumerate(self.procs):
                 if rank not in state.results and rank not in state.failures:
                     returncode = proc.poll()
@@ -355,18 +343,23 @@ class _Workers:
         """Keep forwarding output for up to ``seconds`` until ``until()``; never raises."""
         end = time.monotonic() + seconds
         while not until() and time.monotonic() < end:
-            try:
-                kind, rank, stream, value = self.events.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            if kind == "line" and rank in self.show:
+            self._handle_next_event(state)
+
+    def _handle_next_event(self, state: _JobState) -> None:
+        """Print a worker's line, or record a message, an end mark or an EOF (wait <= 10 ms)."""
+        try:
+            kind, rank, stream, value = self.events.get(timeout=0.01)
+        except queue.Empty:
+            return
+        if kind == "line":
+            if rank in self.show:
                 print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
-            elif kind == "mark":
-                state.marks.add((rank, stream, value))
-            elif kind == "eof":
-                state.eofs.add((rank, stream))
-            elif kind == "msg":
-                state.on_message(rank, value)
+        elif kind == "mark":
+            state.marks.add((rank, stream, value))
+        elif kind == "eof":
+            state.eofs.add((rank, stream))
+        elif kind == "msg":
+            state.on_message(rank, value)
 
     def send(self, rank: int, message: tuple) -> None:
         try:
