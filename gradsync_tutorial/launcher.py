@@ -43,6 +43,7 @@ stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised.
 from __future__ import annotations
 
 import atexit
+import collections
 import inspect
 import linecache
 import os
@@ -352,6 +353,8 @@ class _Workers:
         except queue.Empty:
             return
         if kind == "line":
+            if stream == "stderr":
+                state.stderr_tail[rank].append(value)
             if rank in self.show:
                 print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
         elif kind == "mark":
@@ -426,6 +429,7 @@ class _JobState:
         self.marks: set = set()
         self.eofs: set = set()
         self.sent = False  # has the job been sent (the ranks are past start-up)?
+        self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
 
     def fail(self, rank: int, description: str) -> None:
         if rank not in self.failures:
@@ -659,10 +663,14 @@ def _raise_timeout(state: _JobState, world_size: int, timeout: float, started: b
 
 
 def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
-    # Ranks that fail just after the first one usually fail *because* of it (their peer's
-    # socket closed under a collective): list them, but lead with the first.
-    others = "".join(f"\n  then {state.failures[r]}" for r in state.order if r != first)
-    others = f"\nOther ranks, after it (often a consequence):{others}" if others else ""
+    # Lead with the rank that failed first: ranks failing just after it often fail *because*
+    # of it (their peer's socket closed under a collective), and those get a note saying so.
+    others = ""
+    for rank in state.order:
+        if rank != first:
+            note = " (a consequence: a peer went away)" if _collateral(state, rank) else ""
+            others += f"\n  {state.failures[rank]}{note}"
+    others = f"\nOther ranks failed after it:{others}" if others else ""
     if first in state.errors:
         exc_type, text, tb, pickled = state.errors[first]
         tb = _with_source_lines(tb, sources)
@@ -679,8 +687,17 @@ def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
                 cause = None
         raise error from cause
     when = "" if state.sent else " while starting up, before running fn (its output is above)"
-    message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}"
+    tail = "".join(f"\n  {line}" for line in state.stderr_tail[first])
+    tail = f"\nIts last lines on stderr:{tail}" if tail else ""
+    message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}{tail}"
     raise RankFailedError(message, dict(state.failures), first)
+
+
+def _collateral(state: _JobState, rank: int) -> bool:
+    """Did this rank fail on a connection its peer closed (gloo's and nccl's wording)?"""
+    text = state.failures[rank].lower()
+    return any(w in text for w in ("connection reset", "connection closed", "broken pipe",
+                                   "remote process exited", "peer"))
 
 
 def _source_files(fn) -> dict[str, str]:

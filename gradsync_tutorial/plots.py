@@ -104,7 +104,7 @@ curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
         curves = list(histories)
         ranks = list(range(len(curves)))
     if labels is None:
-        labels = [f"rank {r}" for r in ranks]
+        labels = [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks]
     elif len(labels) != len(curves):
         raise ValueError(f"got {len(labels)} labels for {len(curves)} loss histories.")
 

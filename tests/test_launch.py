@@ -206,7 +206,8 @@ def test_every_rank_raises():
     with pytest.raises(RankFailedError) as info:
         gst.launch(fn, world_size=2)
     assert set(info.value.failures) == {0, 1}
-    assert "Other ranks, after it" in str(info.value)
+    assert "Other ranks failed after it:\n  rank 0 raised KeyError: 'missing-0'" in str(info.value)
+    assert "consequence" not in str(info.value)
     assert worker_pids() == []
 
 
@@ -227,6 +228,8 @@ def test_rank_dies_without_result(how, expected):
     with pytest.raises(RankFailedError) as info:
         gst.launch(fn, world_size=2)
     assert str(info.value).startswith(f"rank 1 {expected} before returning a result")
+    if how == "exit":  # rank 0, in all_reduce with rank 1, then lost its peer
+        assert "rank 0 raised" not in str(info.value) or "consequence" in str(info.value)
     assert info.value.rank == 1
     assert worker_pids() == []
 
@@ -408,3 +411,17 @@ def test_nccl_without_gpus_fails_fast():
     with pytest.raises(ValueError, match="backend='nccl' needs one CUDA GPU per rank"):
         gst.launch(_ok, world_size=2, backend="nccl")
     assert worker_pids() == []
+
+
+def test_dead_rank_error_quotes_its_last_stderr_lines():
+    def fn(rank, world_size):
+        if rank == 1:
+            print("about to abort: native library says why", file=sys.stderr, flush=True)
+            os.abort()
+        return rank
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    message = str(info.value)
+    assert message.startswith("rank 1 was killed by SIGABRT")
+    assert "Its last lines on stderr:\n  about to abort: native library says why" in message
