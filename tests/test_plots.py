@@ -98,3 +98,10 @@ def test_baseline_alone():
     fig = plot_loss_curves([], baseline=[2.3, 1.5, 1.0], title="Single-device baseline")
     (line,) = lines_of(fig)
     assert line.get_label() == "single process" and line.get_linestyle() == "--"
+
+
+def test_dict_keys_are_labels_and_int_keys_are_ranks():
+    from gradsync_tutorial.plots import plot_loss_curves
+
+    fig = plot_loss_curves({"correct": [2.0, 1.0], 3: [2.0, 1.5]})
+    assert [line.get_label() for line in fig.axes[0].lines] == ["correct", "rank 3"]
