@@ -1,0 +1,296 @@
+"""Every exercise check passes its reference solution and catches typical wrong answers.
+
+The wrong answers are what learners write: no division, the loop of notebook 02 instead of one
+call, a reduced copy never copied back, ``[t] * world_size``, a broadcast into a clone... Each
+must be caught with the message that names the mistake. The checks of notebooks 00, 02 and 03
+launch 2 real ranks (gloo); they reuse the same idle workers from one launch to the next.
+"""
+
+from __future__ import annotations
+
+import runpy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import all_reduce as imported_all_reduce
+
+from gradsync_tutorial import exercises
+from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed
+
+from .conftest import REPO
+
+SOLUTIONS = REPO / "notebooks" / "solutions"
+
+
+def solution(name: str):
+    """The reference function, read from notebooks/solutions/ (not imported by name)."""
+    return runpy.run_path(str(SOLUTIONS / EXERCISES[name].solution))[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Every exercise: a solution, a notebook, a stub
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_exercise_has_a_solution_and_a_notebook_that_calls_its_check():
+    for name, exercise in EXERCISES.items():
+        assert (SOLUTIONS / exercise.solution).is_file(), exercise.solution
+        notebook = (REPO / "notebooks" / exercise.notebook).read_text()
+        assert f"def {name}(" in notebook  # the stub
+        assert f"gst.exercises.{exercise.check.__name__}({name})" in notebook
+        assert exercise.check is getattr(exercises, exercise.check.__name__)
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_the_reference_solution_passes(name, capsys):
+    assert EXERCISES[name].check(solution(name)) is True
+    out = capsys.readouterr().out
+    assert out.startswith("✓ correct: ")
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_a_stub_is_not_attempted_and_does_not_fail(name, capsys):
+    def stub(*args):
+        raise NotImplementedError("replace this line with your code")
+
+    stub.__name__ = name
+    assert EXERCISES[name].check(stub) is False
+    out = capsys.readouterr().out
+    assert out.startswith(f"... not attempted yet: {name} still raises NotImplementedError")
+    assert f"%load solutions/{EXERCISES[name].solution}" in out
+
+
+def test_not_a_function_or_the_wrong_arguments():
+    with pytest.raises(ExerciseFailed, match=r"pass your function itself.*got list"):
+        exercises.check_gather_ranks([0, 1])  # the result of gather_ranks(...), not the function
+    def average_gradients_flat(model, world_size):
+        pass
+
+    with pytest.raises(ExerciseFailed, match=r"average_gradients_flat\(model, world_size\) cannot"
+                                             r" be called as average_gradients_flat\(model\)"):
+        exercises.check_average_gradients_flat(average_gradients_flat)
+    with pytest.raises(ValueError, match="world_size must be an int >= 2"):
+        exercises.check_broadcast_parameters(solution("broadcast_parameters"), world_size=1)
+
+
+# --------------------------------------------------------------------------------------------
+# 00: gather_ranks
+# --------------------------------------------------------------------------------------------
+
+
+def test_gather_ranks_wrong_answers():
+    def computed_locally(rank, world_size):
+        return list(range(world_size))
+
+    with pytest.raises(ExerciseFailed, match=r"made no collective call.*dist\.all_gather"):
+        exercises.check_gather_ranks(computed_locally)
+
+    def one_tensor_repeated(rank, world_size):
+        everyone = [torch.zeros(1)] * world_size  # ONE tensor, world_size times
+        dist.all_gather(everyone, torch.tensor([float(rank)]))
+        return [int(t.item()) for t in everyone]
+
+    with pytest.raises(ExerciseFailed, match=r"holds the same tensor 2 times \(rank 0 returned "
+                                             r"\[1, 1\]\): `\[t\] \* 2` repeats one tensor"):
+        exercises.check_gather_ranks(one_tensor_repeated)
+
+    def returns_tensors(rank, world_size):
+        everyone = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(everyone, torch.tensor([float(rank)]))
+        return everyone
+
+    with pytest.raises(ExerciseFailed, match=r"rank 0 returned a list of tensors.*t\.item\(\)"):
+        exercises.check_gather_ranks(returns_tensors)
+
+    def floats_are_fine(rank, world_size):  # [0.0, 1.0] == [0, 1]: accepted
+        return torch.cat(returns_tensors(rank, world_size)).tolist()
+
+    assert exercises.check_gather_ranks(floats_are_fine) is True
+
+
+def test_gather_ranks_an_error_and_a_hang_are_reported():
+    def passes_an_int(rank, world_size):
+        everyone = [torch.zeros(1) for _ in range(world_size)]
+        dist.all_gather(everyone, rank)  # not a tensor
+        return everyone
+
+    with pytest.raises(ExerciseFailed) as info:
+        exercises.check_gather_ranks(passes_an_int)
+    message = str(info.value)
+    assert message.startswith("passes_an_int raised an error on rank ")
+    assert "dist.all_gather(everyone, rank)" in message  # the traceback shows the line
+
+    def only_rank_0_gathers(rank, world_size):
+        everyone = [torch.zeros(1) for _ in range(world_size)]
+        if rank == 0:
+            dist.all_gather(everyone, torch.tensor([0.0]))
+        return [int(t.item()) for t in everyone]
+
+    with pytest.raises(ExerciseFailed, match=r"did not finish within 5 s: rank\(s\) 0 were still "
+                                             r"waiting.*collective that not every rank called"):
+        exercises.check_gather_ranks(only_rank_0_gathers, timeout=5)
+
+
+# --------------------------------------------------------------------------------------------
+# 01: accumulate_gradients (one process)
+# --------------------------------------------------------------------------------------------
+
+
+def _accumulate(divide=True, zero_inside=False, whole_batch=False, returns="float"):
+    """A learner's accumulate_gradients, with one of the typical mistakes switched on."""
+
+    def accumulate_gradients(model, images, labels, micro_batches):
+        k = 1 if whole_batch else micro_batches
+        total, last = 0.0, None
+        for x, y in zip(images.chunk(k), labels.chunk(k), strict=True):
+            if zero_inside:
+                model.zero_grad()
+            loss = F.nll_loss(model(x), y)
+            if divide:
+                loss = loss / micro_batches
+            loss.backward()
+            total, last = total + loss.item(), loss
+        return {"float": total, "tensor": last, "last": last.item() * micro_batches}[returns]
+
+    return accumulate_gradients
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(divide=False), r"your gradients are 4\.0× the expected ones: did you divide each "
+                         r"micro-batch's loss by micro_batches\?"),
+    (dict(zero_inside=True), r"your gradient is the last micro-batch's only \(times 0\.25\).*"
+                             r"zero_grad\(\).*inside the loop"),
+    (dict(zero_inside=True, divide=False), r"the last micro-batch's only \(times 1\)"),
+    (dict(whole_batch=True), r"your model saw 32 samples in one forward pass: split the batch "
+                             r"of 32 into 4 micro-batches of 8"),
+    (dict(returns="tensor"), r"returned a tensor.*return a float \(`loss\.item\(\)`\)"),
+    (dict(returns="last"), r"returned the loss .*; the whole batch's mean loss is .*It is the "
+                           r"last micro-batch's"),
+])
+def test_accumulate_gradients_wrong_answers(mistake, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        exercises.check_accumulate_gradients(_accumulate(**mistake))
+
+
+def test_accumulate_gradients_check_leaves_the_random_state_alone(capsys):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert exercises.check_accumulate_gradients(_accumulate(), micro_batches=2) is True
+    assert torch.equal(torch.rand(3), expected)
+    assert "2 micro-batches of 8" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# 02: average_gradients_flat
+# --------------------------------------------------------------------------------------------
+
+
+def test_average_gradients_flat_wrong_answers():
+    def per_parameter(model):  # notebook 02's loop: right values, 8 calls
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+    with pytest.raises(ExerciseFailed, match=r"the gradients are right, but you called "
+                                             r"all_reduce 8 times; one call is enough"):
+        exercises.check_average_gradients_flat(per_parameter)
+
+    def per_parameter_imported(model):  # `from torch.distributed import all_reduce` is counted
+        for p in model.parameters():
+            imported_all_reduce(p.grad)
+            p.grad /= 2
+
+    with pytest.raises(ExerciseFailed, match="called all_reduce 8 times"):
+        exercises.check_average_gradients_flat(per_parameter_imported)
+
+    def flat(model, divide=True, copy_back=True, divide_on=(0, 1)):
+        grads = [p.grad for p in model.parameters()]
+        buffer = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(buffer)
+        if divide and dist.get_rank() in divide_on:
+            buffer /= dist.get_world_size()
+        if copy_back:
+            for g, piece in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
+                g.copy_(piece.view_as(g))
+
+    with pytest.raises(ExerciseFailed, match=r"your gradients are 2\.0× the expected ones: did "
+                                             r"you divide by the world size\?"):
+        exercises.check_average_gradients_flat(lambda model: flat(model, divide=False))
+    with pytest.raises(ExerciseFailed, match=r"the gradients did not change: every rank still "
+                                             r"holds its own\. You reduced a copy"):
+        exercises.check_average_gradients_flat(lambda model: flat(model, copy_back=False))
+    with pytest.raises(ExerciseFailed, match=r"rank 1's gradients differ from rank 0's in "
+                                             r"`conv1\.weight` \(max abs difference .*; 8 of 8 "
+                                             r"tensors differ\)"):
+        exercises.check_average_gradients_flat(lambda model: flat(model, divide_on=(0,)))
+
+
+# --------------------------------------------------------------------------------------------
+# 03: broadcast_parameters
+# --------------------------------------------------------------------------------------------
+
+
+def test_broadcast_parameters_wrong_answers():
+    def into_a_copy(model):
+        for p in model.parameters():
+            dist.broadcast(p.detach().clone(), src=0)
+
+    with pytest.raises(ExerciseFailed, match=r"rank 1's parameters did not change, although you "
+                                             r"called broadcast 8 times: you broadcast into a "
+                                             r"copy"):
+        exercises.check_broadcast_parameters(into_a_copy)
+
+    def weights_only(model):
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                dist.broadcast(p.detach(), src=0)
+
+    with pytest.raises(ExerciseFailed, match=r"rank 1's parameters differ from rank 0's in "
+                                             r"`conv1\.bias` \(max abs difference .*; 4 of 8 "
+                                             r"tensors differ\): did you broadcast every "
+                                             r"parameter\?"):
+        exercises.check_broadcast_parameters(weights_only)
+
+    def averaged(model):
+        for p in model.parameters():
+            dist.all_reduce(p.detach())
+            p.detach().div_(dist.get_world_size())
+
+    with pytest.raises(ExerciseFailed, match=r"the replicas agree, but on the average of the "
+                                             r"ranks' weights, not on rank 0's"):
+        exercises.check_broadcast_parameters(averaged)
+
+    def from_rank_1(model):
+        for p in model.parameters():
+            dist.broadcast(p.detach(), src=1)
+
+    with pytest.raises(ExerciseFailed, match=r"every rank holds rank 1's weights: broadcast "
+                                             r"from rank 0, src=0"):
+        exercises.check_broadcast_parameters(from_rank_1)
+
+    def frozen(model):
+        for p in model.parameters():
+            p.requires_grad_(False)  # "no autograd during the broadcast", never switched back
+            dist.broadcast(p, src=0)
+
+    with pytest.raises(ExerciseFailed, match=r"on rank 0, `conv1\.weight` is no longer a "
+                                             r"trainable parameter"):
+        exercises.check_broadcast_parameters(frozen)
+
+
+def test_broadcast_parameters_replacing_the_parameters_passes_with_a_note(capsys):
+    def replaces(model):
+        for module in (model.conv1, model.conv2, model.fc1, model.fc2):
+            for name in ("weight", "bias"):
+                t = getattr(module, name).detach().clone()
+                dist.broadcast(t, src=0)
+                setattr(module, name, nn.Parameter(t))
+
+    assert exercises.check_broadcast_parameters(replaces) is True
+    out = capsys.readouterr().out
+    assert out.startswith("note: replaces replaced the model's parameter objects")
+    assert "✓ correct" in out
