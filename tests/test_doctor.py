@@ -51,6 +51,14 @@ def test_version_parsing():
     assert doctor._version_tuple("2.4") == (2, 4)
 
 
+def test_the_minimum_versions_are_pyproject_s():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == f">={doctor._dotted(doctor.MIN_PYTHON)}"
+    assert f"torch>={doctor._dotted(doctor.MIN_TORCH)}" in project["dependencies"]
+    assert f"torchvision>={doctor._dotted(doctor.MIN_TORCHVISION)}" in project["dependencies"]
+
+
 def test_python_versions():
     assert doctor.check_python().status == "ok"
     old = doctor.check_python((3, 9, 18))
