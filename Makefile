@@ -1,6 +1,7 @@
 # make lab   - set up .venv (first time only) and open the course in JupyterLab
 # make test  - set up .venv (first time only) and run every test, notebooks included (nbval)
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
+# make doctor - is this machine ready? versions, data, a 2-rank launch, expected notebook times
 # make bench - the benchmark scripts (ratios measured side by side in one run)
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DATA_FLAGS ?=
 
-.PHONY: install lab test data bench lint clean
+.PHONY: install lab test data doctor bench lint clean
 
 install: $(STAMP)
 
@@ -21,6 +22,10 @@ $(STAMP): pyproject.toml
 
 data: $(STAMP)
 	$(BIN)/python -m gradsync_tutorial.data $(DATA_FLAGS)
+
+# Never downloads: it reports what is missing, with the command that fixes it.
+doctor: $(STAMP)
+	$(BIN)/python -m gradsync_tutorial doctor
 
 lab: data
 	$(BIN)/jupyter lab notebooks/

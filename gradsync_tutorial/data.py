@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "load", "main", "prepare"]
+__all__ = ["DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "load", "main", "prepare", "resolve_root"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,13 @@ def _default_root() -> Path:
 DEFAULT_ROOT: Path = _default_root()
 
 
-def _resolve_root(root: str | os.PathLike[str] | None) -> Path:
+def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
+    """The data folder in use: ``root`` if given, else ``$GRADSYNC_DATA``, else DEFAULT_ROOT.
+
+        >>> from gradsync_tutorial import data
+        >>> data.resolve_root("/tmp/fmnist")
+        PosixPath('/tmp/fmnist')
+    """
     if root is not None:
         return Path(root).expanduser().resolve()
     env = os.environ.get("GRADSYNC_DATA")  # read again: it may have been set after import
@@ -231,7 +237,7 @@ def prepare(
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
     """
     key, info = _info(dataset)
-    root = _resolve_root(root)
+    root = resolve_root(root)
     raw = _raw_dir(info, root)
     if not _missing(raw):  # 1. already there
         return raw
@@ -310,7 +316,7 @@ def load(
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
     """
     key, _ = _info(dataset)
-    resolved = _resolve_root(root)
+    resolved = resolve_root(root)
     prepare(key, resolved, download=download)  # four file checks when the files are there
     return _read(key, bool(train), str(resolved))
 

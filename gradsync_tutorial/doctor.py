@@ -222,7 +222,7 @@ def check_data() -> Check:
         raw = data.prepare("fashion-mnist", download=False)
         images, _ = data.load("fashion-mnist", train=False, download=False)
     except FileNotFoundError as e:
-        root = data._resolve_root(None)
+        root = data.resolve_root(None)
         lines = str(e).splitlines()
         found = lines[1].strip() if len(lines) > 1 else lines[0]  # "1. unpacked files ..."
         return Check(

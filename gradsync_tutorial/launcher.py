@@ -611,7 +611,7 @@ def launch(
         workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
         workers.stop()
         workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
-        _raise_failure(state, first, _source_files(fn))
+        _raise_failure(state, first, _source_files(fn, args))
 
     _give_back(workers, reuse_workers)
     import cloudpickle
@@ -700,8 +700,8 @@ def _collateral(state: _JobState, rank: int) -> bool:
                                    "remote process exited", "peer"))
 
 
-def _source_files(fn) -> dict[str, str]:
-    """Map function name -> source file for ``fn`` and the functions it uses.
+def _source_files(fn, args: Sequence[Any] = ()) -> dict[str, str]:
+    """Map function name -> source file for ``fn``, the functions it uses and those in ``args``.
 
     cloudpickle renames the code it ships ``<dynamic-code>``; with this map the launcher
     puts the notebook cell's file name and source line back into a worker's traceback.
@@ -728,6 +728,8 @@ def _source_files(fn) -> dict[str, str]:
                 pass
 
     visit(fn)
+    for arg in args:  # functions passed in args (an averaging function, say)
+        visit(arg)
     return files
 
 

@@ -33,9 +33,9 @@ def box(ax, x, y, text, color):
 def main() -> None:
     fig, ax = plt.subplots(figsize=(10, 3.6))
     xs, ys = [1.5, 5.0, 8.5], [2.0, 0.6]
-    for x, (title, *texts) in zip(xs, STAGES):
+    for x, (title, *texts) in zip(xs, STAGES, strict=True):
         ax.text(x, 3.05, title, ha="center", va="center", fontsize=11, weight="bold")
-        for rank, (y, text) in enumerate(zip(ys, texts)):
+        for rank, (y, text) in enumerate(zip(ys, texts, strict=True)):
             box(ax, x, y, text, COLORS[rank])
     for rank, y in enumerate(ys):
         ax.text(-0.25, y, f"rank {rank}", ha="right", va="center", fontsize=11,

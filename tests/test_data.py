@@ -238,7 +238,7 @@ def test_default_root(monkeypatch, tmp_path):
     assert data._default_root() == repo / "data"  # the tests run from a checkout
     monkeypatch.setenv("GRADSYNC_DATA", str(tmp_path / "shared"))
     assert data._default_root() == tmp_path / "shared"
-    assert data._resolve_root(None) == (tmp_path / "shared").resolve()  # read at call time
+    assert data.resolve_root(None) == (tmp_path / "shared").resolve()  # read at call time
 
 
 # --------------------------------------------------------------------------------------------

@@ -425,3 +425,15 @@ def test_dead_rank_error_quotes_its_last_stderr_lines():
     message = str(info.value)
     assert message.startswith("rank 1 was killed by SIGABRT")
     assert "Its last lines on stderr:\n  about to abort: native library says why" in message
+
+
+def test_traceback_shows_source_lines_of_functions_passed_in_args():
+    def average(values):
+        return sum(values) / len(values)  # divides by zero for an empty list
+
+    def fn(rank, world_size, reduce):
+        return reduce([] if rank == 1 else [1.0])
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2, args=(average,))
+    assert "return sum(values) / len(values)" in info.value.traceback
