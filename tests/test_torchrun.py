@@ -1,0 +1,198 @@
+"""scripts/train_ddp.py and scripts/train_manual.py under real torchrun agents: CPU, gloo, --smoke.
+
+Each torchrun start costs ~10 s on a 2-core machine (an agent, then 2 workers importing torch),
+so the runs are shared: one straight 2-epoch run per script (module fixture) serves the
+replica, two-node, resume and manual-vs-DDP checks. Every run is on the CPU (no GPU visible),
+with OMP_NUM_THREADS=1 also for one-rank agents (torchrun sets it only with several), so that
+all runs add their numbers in the same order and can be compared for equality.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import gradsync_tutorial as gst
+
+from .conftest import REPO
+
+SCRIPTS = REPO / "scripts"
+EQUAL = re.compile(r"^parameters equal across (\d+) ranks: max \|p - p on rank 0\| = (\S+)$", re.M)
+TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one is killed
+
+
+def torchrun(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun ARGS`` with this interpreter, from the repository root."""
+    full_env = {k: v for k, v in os.environ.items() if k != "GRADSYNC_FAIL_RANK"}
+    full_env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))  # CPU, gloo
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *map(str, args)], cwd=REPO,
+        env=full_env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+
+
+def standalone(script: str, *script_args) -> subprocess.CompletedProcess:
+    """One agent, 2 ranks: ``torchrun --standalone --nproc-per-node 2 scripts/SCRIPT --smoke``."""
+    return torchrun("--standalone", "--nproc-per-node", 2, SCRIPTS / script, "--smoke",
+                    *script_args)
+
+
+def assert_ok(*runs: subprocess.CompletedProcess) -> str:
+    """Every run (agent) exited 0, and rank 0 printed the replica check: 2 ranks, 0.0."""
+    for run in runs:
+        assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-4000:]}"
+    stdout = "".join(run.stdout for run in runs)
+    assert EQUAL.findall(stdout) == [("2", "0.0")], f"expected one replica check:\n{stdout}"
+    return stdout
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """max |a - b| over two checkpoints' parameters and SGD momentum buffers."""
+    def momentum(c):
+        return {str(i): s["momentum_buffer"] for i, s in c["optimizer"]["state"].items()}
+
+    return max(gst.checks.compare_state_dicts(a["model"], b["model"], show=False),
+               gst.checks.compare_state_dicts(momentum(a), momentum(b), show=False))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Run each script once for 2 epochs; return {script: (stdout, checkpoint path)}."""
+    runs = {}
+
+    def get(script: str):
+        if script not in runs:
+            path = tmp_path_factory.mktemp("straight") / f"{script}.pt"
+            stdout = assert_ok(standalone(script, "--epochs", 2, "--checkpoint", path))
+            runs[script] = stdout, path
+        return runs[script]
+
+    return get
+
+
+# -- each script, one agent, 2 ranks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["train_manual.py", "train_ddp.py"])
+def test_script_trains_and_ranks_agree_and_checkpoint_is_written(straight, script):
+    stdout, path = straight(script)
+    # rank 0 logs each epoch once (not once per rank), then the replica check (assert_ok)
+    assert re.findall(r"^epoch (\d)/2: loss \d+\.\d+ \(mean over 2 ranks\)", stdout, re.M) == [
+        "1", "2"]
+    checkpoint = load(path)
+    assert set(checkpoint) == {"model", "optimizer", "epochs_done", "rng"}
+    assert checkpoint["epochs_done"] == 2
+    assert set(checkpoint["model"]) == set(gst.model.Net().state_dict())  # no "module." prefix
+    assert not Path(f"{path}.tmp").exists()
+
+
+def test_manual_averaging_and_ddp_train_the_same_model(straight):
+    # notebook 03: the same mean gradient; on 2 ranks bit for bit (dividing by 2 is exact)
+    diff = max_diff(load(straight("train_manual.py")[1]), load(straight("train_ddp.py")[1]))
+    assert diff == 0.0
+
+
+# -- two "machines": two agents on one host, c10d rendezvous ------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_agents_give_the_single_node_result(straight, tmp_path):
+    path, port = tmp_path / "two_nodes.pt", free_port()
+
+    def agent(node: int) -> subprocess.CompletedProcess:
+        # --node-rank is only read by the static rendezvous; with c10d the agents agree on
+        # their ranks themselves. is_host names the agent that hosts the store (on real
+        # machines torchrun works it out from the endpoint's host name).
+        return torchrun("--nnodes", 2, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-two-nodes",
+                        "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                        SCRIPTS / "train_ddp.py", "--smoke", "--epochs", 2, "--checkpoint", path)
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(agent, [0, 1]))
+    assert_ok(*runs)  # rank 0 is on one of the two agents
+    assert max_diff(load(path), load(straight("train_ddp.py")[1])) == 0.0
+
+
+# -- checkpoint and resume ----------------------------------------------------------------------
+
+
+def test_one_epoch_save_resume_one_epoch_equals_two_epochs(straight, tmp_path):
+    path = tmp_path / "resumed.pt"
+    # the same command line starts and resumes: --resume with no file yet starts from scratch
+    first = assert_ok(standalone("train_ddp.py", "--epochs", 1, "--checkpoint", path, "--resume"))
+    assert f"no checkpoint at {path} yet: starting from scratch" in first
+    assert load(path)["epochs_done"] == 1
+    second = assert_ok(standalone("train_ddp.py", "--epochs", 2, "--checkpoint", path, "--resume"))
+    assert f"resumed from {path} after epoch 1" in second
+    assert "epoch 1/2" not in second and "epoch 2/2" in second
+    resumed, straight_run = load(path), load(straight("train_ddp.py")[1])
+    assert resumed["epochs_done"] == 2
+    assert max_diff(resumed, straight_run) == 0.0
+    assert torch.equal(resumed["rng"]["cpu"], straight_run["rng"]["cpu"])
+
+
+# -- a failing rank -----------------------------------------------------------------------------
+
+
+def test_failing_rank_exits_nonzero_and_is_the_root_cause_with_its_traceback():
+    run = torchrun("--standalone", "--nproc-per-node", 2, SCRIPTS / "train_ddp.py", "--smoke",
+                   "--epochs", 1, env={"GRADSYNC_FAIL_RANK": "1"})
+    assert run.returncode != 0
+    # torchrun's summary ends stderr; @record puts rank 1's traceback under "Root Cause"
+    root_cause = run.stderr[run.stderr.rindex("Root Cause (first observed failure)"):]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
+    assert "RuntimeError: rank 1 fails on purpose (GRADSYNC_FAIL_RANK=1)" in root_cause
+    assert "train_ddp.py" in root_cause  # the traceback, not "To enable traceback see: ..."
+    assert not EQUAL.search(run.stdout)
+
+
+# -- the command line, without starting any process ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def train_ddp():
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPTS / "train_ddp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults_are_the_courses(train_ddp, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = train_ddp.parse_args([])
+    assert (args.batch_size, args.lr, args.seed, args.dataset) == (256, 0.01, 1234, "fashion-mnist")
+    assert (args.checkpoint, args.resume, args.smoke) == (None, False, False)
+
+
+def test_resume_without_checkpoint_says_what_to_add(train_ddp, capsys):
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--resume"])
+    err = capsys.readouterr().err
+    assert "--resume continues from --checkpoint: give --checkpoint PATH too" in err
+
+
+def test_batch_size_must_split_evenly_over_the_ranks(train_ddp, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # what torchrun sets
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--batch-size", "256"])
+    assert "split evenly over 3 ranks: give a multiple of 3" in capsys.readouterr().err
+    assert train_ddp.parse_args(["--batch-size", "255"]).batch_size == 255
