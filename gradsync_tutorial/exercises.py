@@ -37,6 +37,9 @@ check                                  your function                            
                                        micro_batches) -> float``
 :func:`check_average_gradients_flat`   ``average_gradients_flat(model)``                02
 :func:`check_broadcast_parameters`     ``broadcast_parameters(model)``                  03
+:func:`check_global_mean_loss`         ``global_mean_loss(losses) -> float``            04
+:func:`check_save_checkpoint`          ``save_checkpoint(path, model, optimizer,        06
+                                       epochs_done)``
 =====================================  ===============================================  ========
 
 Introduced in ``notebooks/00_launching_workers.ipynb`` (its exercise).
@@ -66,6 +69,8 @@ __all__ = [
     "check_average_gradients_flat",
     "check_broadcast_parameters",
     "check_gather_ranks",
+    "check_global_mean_loss",
+    "check_save_checkpoint",
 ]
 
 SEED = 1234
@@ -767,6 +772,400 @@ def check_broadcast_parameters(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# 04: global_mean_loss(losses) -> the mean over every rank's samples, the same on every rank
+# --------------------------------------------------------------------------------------------
+
+
+def _uneven_losses(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s per-sample losses: 8 samples on even ranks, 3 on odd ones (plus one per
+    pair of ranks), values around ``rank + 1``, so that every way of averaging them differs."""
+    count = (8, 3)[rank % 2] + rank // 2
+    g = torch.Generator().manual_seed(SEED + 1 + rank)
+    weight = torch.ones((), requires_grad=True)  # losses come out of a graph, as in training
+    return (rank + 1) * (0.5 + torch.rand(count, generator=g)) * weight
+
+
+def _mean_loss_worker(rank: int, world_size: int, fn: Callable) -> Any:
+    import torch.distributed as dist
+
+    losses = _uneven_losses(rank)
+    before = losses.detach().clone()
+    mine = torch.tensor([before.double().sum().item(), float(len(before))], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)  # every rank's (sum, count), for the diagnosis
+    with _CollectiveCounter(fn) as counter:
+        try:
+            result = fn(losses)
+        except NotImplementedError:
+            return _STUB
+    if isinstance(result, torch.Tensor):
+        result = {"tensor": repr(result.detach().cpu())}
+    elif not (_is_number(result) or result is None):
+        result = {"other": f"{type(result).__name__} {result!r:.60}"}
+    elif result is not None:
+        result = float(result)
+    changed = not torch.equal(losses.detach(), before)
+    return {"result": result, "sums_counts": [e.tolist() for e in everyone],
+            "counts": dict(counter.counts), "changed": changed}
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+
+
+def check_global_mean_loss(
+    global_mean_loss: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
+) -> bool:
+    """Check ``global_mean_loss(losses) -> float``: the mean loss over *every* rank's samples,
+    the same float on every rank, when the ranks hold different numbers of samples.
+
+    ``losses`` is this rank's per-sample losses (``F.nll_loss(..., reduction="none")``): 8 on
+    rank 0, 3 on rank 1. Runs it on ``world_size`` ranks and compares with the mean of all the
+    samples. Says so if you returned the mean of the ranks' means (pitfall 5), a sum you did not
+    divide, a rank's own value (no collective), the global sum over a rank's own count, if ranks
+    returned different values, or if one rank skipped the all_reduce (it hangs).
+
+        >>> import gradsync_tutorial as gst
+        >>> def global_mean_loss(losses):          # the mean of the means: caught
+        ...     mean = losses.detach().mean()
+        ...     dist.all_reduce(mean)
+        ...     return (mean / dist.get_world_size()).item()
+        >>> gst.exercises.check_global_mean_loss(global_mean_loss)  # doctest: +SKIP
+        Traceback (most recent call last):
+        ExerciseFailed: every rank returned 1.36..., the mean of the ranks' means; ...
+
+    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Exercise of ``notebooks/04_pitfalls.ipynb``.
+    """
+    __tracebackhide__ = True  # IPython and pytest show the message, not this frame
+    _require_function(global_mean_loss, 1, "global_mean_loss(losses)")
+    outs = _launch(_mean_loss_worker, global_mean_loss, world_size, timeout)
+    if outs is None:
+        return _not_attempted(global_mean_loss, "global_mean_loss")
+    name = _name(global_mean_loss)
+    sums, counts = zip(*outs[0]["sums_counts"], strict=True)
+    total, n = sum(sums), sum(counts)
+    expected = total / n
+    means = [s / c for s, c in zip(sums, counts, strict=True)]
+    mean_of_means = sum(means) / world_size
+    calls = outs[0]["counts"]
+    sizes = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
+
+    for rank, out in enumerate(outs):
+        result = out["result"]
+        if result is None:
+            _fail(f"{name} returned None on rank {rank}: return the mean loss, a float.")
+        if isinstance(result, dict) and "tensor" in result:
+            _fail(f"rank {rank} returned a tensor, {result['tensor']:.60}: return a float "
+                  "(`.item()`), the number you log.")
+        if isinstance(result, dict):
+            _fail(f"rank {rank} returned {result['other']}: return the mean loss, a float.")
+        if out["changed"]:
+            _fail(f"on rank {rank}, {name} changed the `losses` tensor it was given: in "
+                  "training it is also what backward() uses. Reduce a copy (losses.detach()."
+                  "sum() is a new tensor).")
+    results = [out["result"] for out in outs]
+    if not all(_same(r, results[0]) for r in results):
+        got = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(results))
+        if all(_same(r, m) for r, m in zip(results, means, strict=True)):
+            _fail(f"every rank returned its own mean ({got}; collectives called: "
+                  f"{_calls_text(calls)}): the ranks must exchange their sums and counts with "
+                  "dist.all_reduce, and every rank gets the same global mean.")
+        if all(_same(r, total / c) for r, c in zip(results, counts, strict=True)):
+            _fail(f"the ranks returned different values ({got}): each divided the global sum "
+                  "of the losses by its own count. all_reduce the count too (one call: "
+                  "torch.stack([loss_sum, count])) and divide by the total count.")
+        _fail(f"the ranks returned different values ({got}): every rank must make the same "
+              "all_reduce calls and divide the same totals, so that all log the same number.")
+    got = results[0]
+    if not _same(got, expected):
+        if _same(got, mean_of_means):
+            hint = (f"the mean of the ranks' means ({' and '.join(f'{m:.4g}' for m in means)}). "
+                    f"The ranks hold different numbers of samples ({sizes}), so the mean of "
+                    "means weighs a sample on a small rank more (pitfall 5). all_reduce the sum "
+                    "of the losses and the number of samples, then divide once.")
+        elif _same(got, world_size * mean_of_means):
+            hint = ("the sum of the ranks' means: all_reduce(SUM) adds them up, and even "
+                    "divided by the world size the mean of means is wrong when the ranks hold "
+                    f"different numbers of samples ({sizes}). all_reduce the sum of the losses "
+                    "and the number of samples, then divide once.")
+        elif _same(got, total):
+            hint = (f"the sum of all {int(n)} losses: divide by the total number of samples "
+                    "(all_reduce the count too).")
+        elif _same(got, total / world_size):
+            hint = (f"the sum of all losses divided by the world size; divide by the number of "
+                    f"samples, {int(n)} in all ({sizes}): all_reduce the count too.")
+        elif any(_same(got, m) for m in means):
+            hint = "one rank's own mean: reduce over every rank."
+        else:
+            hint = f"not any of the usual mistakes (ranks' samples: {sizes})."
+        _fail(f"every rank returned {got:.6g}; the mean over all {int(n)} samples is "
+              f"{expected:.6g}. Yours is {hint}")
+    reduces = calls.get("all_reduce", 0)
+    if reduces > 1:
+        print(f"note: you called all_reduce {reduces} times; one call on "
+              "torch.stack([loss_sum, count]) sends both numbers at once.")
+    return _passed(
+        f"with {sizes} samples, every one of the {world_size} ranks returned {got:.6g}, the mean "
+        f"over all {int(n)} samples (the mean of the ranks' means would be {mean_of_means:.6g}; "
+        f"collectives called: {_calls_text(calls)})."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# 06: save_checkpoint(path, model, optimizer, epochs_done): a resumed run = the straight run
+# --------------------------------------------------------------------------------------------
+
+_EPOCHS_DONE = 3  # what the check passes as epochs_done
+_SAVE_DELAY = 0.5  # seconds rank 0's torch.save waits, so that a missing barrier shows
+
+
+def _ddp_net() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """What every rank of the script builds: the seeded Net in DDP, SGD with momentum."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(SEED)
+    model = DDP(Net())
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+
+
+def _train_steps(model, optimizer, rank: int, steps: range) -> None:
+    """Steps on random images of this rank's; dropout on, so they draw random numbers."""
+    model.train()
+    for step in steps:
+        g = torch.Generator().manual_seed(SEED + 1000 * rank + step)
+        images = torch.randn(8, 1, 28, 28, generator=g)
+        labels = torch.randint(0, 10, (8,), generator=g)
+        optimizer.zero_grad()
+        F.nll_loss(model(images), labels).backward()
+        optimizer.step()
+
+
+class _CountingSave:
+    """Count this rank's torch.save calls; rank 0's write waits ``_SAVE_DELAY`` s first."""
+
+    def __init__(self, fn: Any, rank: int):
+        self.fn, self.rank, self.calls = fn, rank, 0
+        self._undo: list = []
+
+    def __enter__(self) -> _CountingSave:
+        import time
+
+        import torch.serialization
+
+        original = torch.save
+
+        def save(*args, **kwargs):
+            self.calls += 1
+            if self.rank == 0:
+                time.sleep(_SAVE_DELAY)
+            return original(*args, **kwargs)
+
+        namespaces = [vars(torch), vars(torch.serialization)]
+        fn_globals = getattr(self.fn, "__globals__", None)
+        if isinstance(fn_globals, dict):
+            namespaces.append(fn_globals)
+        for namespace in namespaces:
+            for key, value in list(namespace.items()):
+                if value is original:
+                    self._undo.append((namespace, key, value))
+                    namespace[key] = save
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for namespace, key, value in reversed(self._undo):
+            namespace[key] = value
+        self._undo = []
+
+
+def _walk(obj: Any, depth: int = 0):
+    """Every value inside nested dicts, lists and tuples (and the object itself)."""
+    yield obj
+    if depth >= 4 or (isinstance(obj, dict) and "param_groups" in obj):
+        return  # not into an optimizer's state dict: its "params" lists are numbers too
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from _walk(value, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _walk(value, depth + 1)
+
+
+def _checkpoint_worker(rank: int, world_size: int, fn: Callable, path: str) -> Any:
+    import os
+
+    import torch.distributed as dist
+
+    model, optimizer = _ddp_net()
+    _train_steps(model, optimizer, rank, range(2))
+    rng = torch.get_rng_state()
+    keys = set(model.module.state_dict())
+    with _CollectiveCounter(fn) as counter, _CountingSave(fn, rank) as saves:
+        try:
+            fn(path, model, optimizer, _EPOCHS_DONE)
+        except NotImplementedError:
+            return _STUB
+    out: dict[str, Any] = {"saves": saves.calls, "exists": os.path.exists(path),
+                           "counts": dict(counter.counts)}
+    dist.barrier()  # the check's own: from here on, the file is complete whatever fn did
+    _train_steps(model, optimizer, rank, range(2, 4))  # the straight run goes on
+    straight = _params(model.module)
+
+    if not os.path.exists(path):
+        return {**out, "missing": True}
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- reported to the learner
+        return {**out, "load_error": f"{type(e).__name__}: {str(e).splitlines()[0]:.200}"}
+    found: dict[str, Any] = {}
+    for value in _walk(saved):
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            if set(value) == keys:
+                found.setdefault("model", value)
+            elif set(value) == {f"module.{k}" for k in keys}:
+                found.setdefault("model", {k.removeprefix("module."): v for k, v in value.items()})
+                out["prefixed"] = True
+            if {"state", "param_groups"} <= set(value):
+                found.setdefault("optimizer", value)
+        elif isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+            if value.shape == rng.shape and torch.equal(value, rng):
+                found["rng"] = value
+        elif isinstance(value, int) and not isinstance(value, bool) and value == _EPOCHS_DONE:
+            found["epochs"] = value
+    out["found"] = sorted(found)
+    out["momentum"] = "optimizer" in found and any(
+        "momentum_buffer" in s for s in found["optimizer"].get("state", {}).values()
+        if isinstance(s, dict))
+
+    # A restart: seed, build, load what the checkpoint has, go on with the same steps.
+    model, optimizer = _ddp_net()
+    if "model" in found:
+        model.module.load_state_dict(found["model"])
+    if "optimizer" in found:
+        try:
+            optimizer.load_state_dict(found["optimizer"])
+        except Exception as e:  # noqa: BLE001 -- reported to the learner
+            out["optimizer_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]:.200}"
+    if "rng" in found:
+        torch.set_rng_state(found["rng"])
+    _train_steps(model, optimizer, rank, range(2, 4))
+    resumed = _params(model.module)
+    out["diff"] = max(_max_abs_diff(resumed[k], straight[k]) for k in straight)
+    return out
+
+
+def check_save_checkpoint(
+    save_checkpoint: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
+) -> bool:
+    """Check ``save_checkpoint(path, model, optimizer, epochs_done)``: a run resumed from your
+    file is exactly the run that never stopped.
+
+    Runs it on ``world_size`` ranks, as ``scripts/train_ddp.py`` would: ``model`` is the Net in
+    DDP, in training mode (dropout draws random numbers), ``optimizer`` SGD with momentum, after
+    2 steps. Then the straight run takes 2 more steps, and a restarted one (seed, build, load
+    what your file holds, by what it is, whatever the keys) takes the same 2 steps; their
+    parameters must be equal to the bit. Says what the file lacks: the model's state dict
+    (without DDP's "module." prefix), the optimizer's (momentum), the RNG state (dropout),
+    ``epochs_done``; and whether every rank wrote the file, or a rank went on before it was
+    complete (no barrier). It loads the file with ``torch.load(path, weights_only=True)``.
+
+        >>> import gradsync_tutorial as gst
+        >>> def save_checkpoint(path, model, optimizer, epochs_done):   # no optimizer, no RNG
+        ...     if dist.get_rank() == 0:
+        ...         torch.save({"model": model.module.state_dict(), "epochs_done": epochs_done},
+        ...                    path)
+        ...     dist.barrier()
+        >>> gst.exercises.check_save_checkpoint(save_checkpoint)  # doctest: +SKIP
+        Traceback (most recent call last):
+        ExerciseFailed: your checkpoint has no optimizer state: ...
+
+    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Exercise of ``notebooks/06_from_notebook_to_torchrun.ipynb``.
+    """
+    import functools
+    import tempfile
+
+    __tracebackhide__ = True  # IPython and pytest show the message, not this frame
+    _require_function(save_checkpoint, 4, "save_checkpoint(path, model, optimizer, epochs_done)")
+    with tempfile.TemporaryDirectory(prefix="gradsync-check-") as folder:
+        path = f"{folder}/checkpoint.pt"
+        worker = functools.partial(_checkpoint_worker, path=path)
+        outs = _launch(worker, save_checkpoint, world_size, timeout)
+    if outs is None:
+        return _not_attempted(save_checkpoint, "save_checkpoint")
+    out = outs[0]
+    counts = out["counts"]
+    if out.get("missing"):
+        _fail(f"no file at `path` after {_name(save_checkpoint)} (collectives called: "
+              f"{_calls_text(counts)}): write the checkpoint there, torch.save(checkpoint, "
+              "path), on rank 0.")
+    if "load_error" in out:
+        _fail(
+            "torch.load(path, weights_only=True) cannot read your file: "
+            f"{out['load_error']}. Save state dicts, tensors and numbers (model.module."
+            "state_dict(), optimizer.state_dict(), torch.get_rng_state(), epochs_done), not the "
+            "model or optimizer objects: loading objects runs arbitrary code, so torch refuses."
+        )
+    found = out["found"]
+    diff = out["diff"]
+    after = (f"2 steps after a resume from your file end up to {diff:.2g} away from the "
+             "straight run's parameters")
+    if "model" not in found:
+        _fail("your checkpoint has no model state dict (a dict with the Net's parameter names): "
+              "save model.module.state_dict() (model is the DDP wrapper).")
+    if "optimizer" not in found or not out["momentum"]:
+        _fail(
+            "your checkpoint has no optimizer state: SGD's momentum buffers carry the past steps "
+            f"into the next ones, and a resumed run starts them from zero ({after}). Save "
+            "optimizer.state_dict()."
+        )
+    if "optimizer_error" in out:
+        _fail(f"optimizer.load_state_dict cannot load your optimizer state: "
+              f"{out['optimizer_error']}. Save optimizer.state_dict() as it is.")
+    if "rng" not in found:
+        _fail(
+            "your checkpoint has no RNG state (nothing in it equals torch.get_rng_state() at the "
+            "time of saving): dropout draws random numbers, so a resumed run that re-seeds draws "
+            f"other masks than the straight run ({after}). Save torch.get_rng_state() (and on "
+            "GPUs torch.cuda.get_rng_state())."
+        )
+    if "epochs" not in found:
+        _fail(f"your checkpoint does not record epochs_done (the check passed "
+              f"{_EPOCHS_DONE}): without it, a resumed run does not know which epoch comes next, "
+              "and the data order is a function of seed + epoch.")
+    savers = [rank for rank, o in enumerate(outs) if o["saves"]]
+    if len(savers) > 1:
+        _fail(
+            f"ranks {', '.join(map(str, savers))} all wrote the file: every rank holds the same "
+            "state, so one copy is enough, and several processes writing one file can leave it "
+            "corrupt. Save on rank 0 only (if dist.get_rank() == 0:)."
+        )
+    early = [rank for rank, o in enumerate(outs) if not o["exists"]]
+    if early:
+        _fail(
+            f"rank(s) {', '.join(map(str, early))} returned from {_name(save_checkpoint)} before "
+            "the file existed: a rank that goes on (or exits, or is restarted) while rank 0 is "
+            "still writing can find no checkpoint, or half of one. After rank 0's torch.save, "
+            "call dist.barrier() on every rank."
+        )
+    if out.get("prefixed"):
+        _fail(
+            "your model state dict's names start with 'module.': that is the DDP wrapper's. "
+            "Save model.module.state_dict(), the Net's own, so that the checkpoint loads into a "
+            "plain Net (for evaluation, or in a script without DDP)."
+        )
+    if diff != 0.0:
+        _fail(f"{after}; they should be equal. Save the model's, optimizer's and RNG's state "
+              "as they are when save_checkpoint is called.")
+    return _passed(
+        f"your file holds the model, the optimizer (momentum), the RNG state and epochs_done; "
+        f"rank 0 wrote it and every rank waited for it. 2 steps after a resume equal the "
+        f"straight run's to the bit, on {world_size} ranks (collectives called: "
+        f"{_calls_text(counts)})."
+    )
+
+
 #: Every exercise, by the name of the function you write.
 EXERCISES: dict[str, Exercise] = {
     e.function: e
@@ -779,5 +1178,9 @@ EXERCISES: dict[str, Exercise] = {
                  "02_manual_allreduce_averaging.ipynb", "02_average_gradients_flat.py"),
         Exercise("broadcast_parameters", check_broadcast_parameters,
                  "03_distributed_data_parallel.ipynb", "03_broadcast_parameters.py"),
+        Exercise("global_mean_loss", check_global_mean_loss, "04_pitfalls.ipynb",
+                 "04_global_mean_loss.py"),
+        Exercise("save_checkpoint", check_save_checkpoint,
+                 "06_from_notebook_to_torchrun.ipynb", "06_save_checkpoint.py"),
     )
 }

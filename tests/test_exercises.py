@@ -294,3 +294,127 @@ def test_broadcast_parameters_replacing_the_parameters_passes_with_a_note(capsys
     out = capsys.readouterr().out
     assert out.startswith("note: replaces replaced the model's parameter objects")
     assert "✓ correct" in out
+
+
+# --------------------------------------------------------------------------------------------
+# 04: global_mean_loss
+# --------------------------------------------------------------------------------------------
+
+
+def _mean_loss(mistake=None):
+    """A learner's global_mean_loss, with one of the typical mistakes switched on."""
+
+    def global_mean_loss(losses):
+        losses = losses.detach()
+        if mistake in ("mean of means", "no division"):
+            mean = losses.mean()
+            dist.all_reduce(mean)
+            return (mean / (dist.get_world_size() if mistake == "mean of means" else 1)).item()
+        if mistake == "local":
+            return losses.mean().item()
+        loss_sum = losses.sum()
+        dist.all_reduce(loss_sum)
+        if mistake == "own count":
+            return (loss_sum / len(losses)).item()
+        if mistake == "by world size":
+            return (loss_sum / dist.get_world_size()).item()
+        count = torch.tensor(float(len(losses)))
+        dist.all_reduce(count)  # a second call: right, with a note
+        return loss_sum / count if mistake == "tensor" else (loss_sum / count).item()
+
+    return global_mean_loss
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("mean of means", r"every rank returned .*; the mean over all 11 samples is .* Yours is the "
+                      r"mean of the ranks' means .*\(rank 0: 8, rank 1: 3\).*pitfall 5"),
+    ("no division", r"Yours is the sum of the ranks' means: all_reduce\(SUM\) adds them up"),
+    ("local", r"every rank returned its own mean \(rank 0: .*, rank 1: .*; collectives called: "
+              r"none\)"),
+    ("own count", r"each divided the global sum of the losses by its own count"),
+    ("by world size", r"Yours is the sum of all losses divided by the world size; divide by the "
+                      r"number of samples, 11 in all"),
+    ("tensor", r"rank 0 returned a tensor, tensor\(.*return a float \(`\.item\(\)`\)"),
+])
+def test_global_mean_loss_wrong_answers(mistake, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        exercises.check_global_mean_loss(_mean_loss(mistake))
+
+
+def test_global_mean_loss_a_hang_and_two_calls(capsys):
+    def only_rank_0_reduces(losses):  # "only rank 0 logs", so only rank 0 reduces
+        totals = torch.stack([losses.detach().sum(), torch.tensor(float(len(losses)))])
+        if dist.get_rank() == 0:
+            dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    with pytest.raises(ExerciseFailed, match=r"did not finish within 5 s: rank\(s\) 0 were still "
+                                             r"waiting.*collective that not every rank called"):
+        exercises.check_global_mean_loss(only_rank_0_reduces, timeout=5)
+
+    def in_place(losses):
+        losses.detach().mul_(2)  # detach() shares the memory: the caller's losses change
+        return solution("global_mean_loss")(losses) / 2
+
+    with pytest.raises(ExerciseFailed, match=r"on rank 0, in_place changed the `losses` tensor"):
+        exercises.check_global_mean_loss(in_place)
+
+    assert exercises.check_global_mean_loss(_mean_loss()) is True  # two calls: right, a note
+    out = capsys.readouterr().out
+    assert out.startswith("note: you called all_reduce 2 times; one call on torch.stack")
+    assert "✓ correct: with rank 0: 8, rank 1: 3 samples" in out
+
+
+# --------------------------------------------------------------------------------------------
+# 06: save_checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+def _save(leave_out=(), every_rank=False, barrier=True, prefixed=False, objects=False):
+    """A learner's save_checkpoint, with one of the typical mistakes switched on."""
+
+    def save_checkpoint(path, model, optimizer, epochs_done):
+        checkpoint = {
+            "model": (model if prefixed else model.module).state_dict(),
+            "optimizer": optimizer if objects else optimizer.state_dict(),
+            "epoch": epochs_done,  # any key: the check finds the pieces by what they are
+            "rng_state": {"cpu": torch.get_rng_state()},
+        }
+        for key in leave_out:
+            del checkpoint[key]
+        if every_rank or dist.get_rank() == 0:
+            torch.save(checkpoint, path)
+        if barrier:
+            dist.barrier()
+
+    return save_checkpoint
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(leave_out=["optimizer"]), r"your checkpoint has no optimizer state: SGD's momentum "
+                                    r"buffers .*\(2 steps after a resume from your file end up "
+                                    r"to .* away from the straight run's parameters\)"),
+    (dict(leave_out=["rng_state"]), r"your checkpoint has no RNG state .* dropout draws random "
+                                    r"numbers.*torch\.get_rng_state\(\)"),
+    (dict(leave_out=["epoch"]), r"your checkpoint does not record epochs_done \(the check "
+                                r"passed 3\)"),
+    (dict(leave_out=["model"]), r"your checkpoint has no model state dict"),
+    (dict(every_rank=True), r"ranks 0, 1 all wrote the file.*Save on rank 0 only"),
+    (dict(barrier=False), r"rank\(s\) 1 returned from save_checkpoint before the file existed"
+                          r".*dist\.barrier\(\)"),
+    (dict(prefixed=True), r"your model state dict's names start with 'module\.'"),
+    (dict(objects=True), r"torch\.load\(path, weights_only=True\) cannot read your file: .*"
+                         r"not the model or optimizer objects"),
+])
+def test_save_checkpoint_wrong_answers(mistake, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        exercises.check_save_checkpoint(_save(**mistake))
+
+
+def test_save_checkpoint_nothing_written():
+    def forgot_to_save(path, model, optimizer, epochs_done):
+        dist.barrier()
+
+    with pytest.raises(ExerciseFailed, match=r"no file at `path` after forgot_to_save "
+                                             r"\(collectives called: barrier once\)"):
+        exercises.check_save_checkpoint(forgot_to_save)
