@@ -35,6 +35,8 @@ test: data
 
 bench: data
 	$(BIN)/python benchmarks/launch_overhead.py
+	$(BIN)/python benchmarks/epoch_time.py
+	$(BIN)/python benchmarks/averaging.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
