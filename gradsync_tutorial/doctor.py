@@ -64,15 +64,18 @@ MIN_TORCHVISION = (0, 19)
 
 #: Each notebook's run time in seconds, executed top to bottom in full (non-smoke) mode on the
 #: reference machine: 2 CPU cores, no GPU, nothing else running. None: not measured yet.
-#: (Notebooks 04-06: to be added once measured.)
+#: Measured 2026-11-29 on a shared 2-core machine, as was REFERENCE_EPOCH_SECONDS below.
 REFERENCE_SECONDS: dict[str, float | None] = {
-    "00_launching_workers.ipynb": 30,
-    "01_single_device_baseline.ipynb": 60,
-    "02_manual_allreduce_averaging.ipynb": 140,
+    "00_launching_workers.ipynb": 40,
+    "01_single_device_baseline.ipynb": 35,
+    "02_manual_allreduce_averaging.ipynb": 130,
     "03_distributed_data_parallel.ipynb": 70,
+    "04_pitfalls.ipynb": 70,
+    "05_performance.ipynb": 290,
+    "06_from_notebook_to_torchrun.ipynb": 130,
 }
 #: :func:`measure_epoch`'s estimate of one full Fashion-MNIST epoch on the reference machine.
-REFERENCE_EPOCH_SECONDS = 4.5
+REFERENCE_EPOCH_SECONDS = 6.5  # measured by doctor alongside the run times above
 
 TRAIN_IMAGES, GLOBAL_BATCH = 60_000, 256
 TIMING_STEPS = 40  # at most this many timed training steps, after WARMUP_STEPS; their median
