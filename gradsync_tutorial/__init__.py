@@ -8,8 +8,9 @@ Every notebook imports it the same way::
 One module per concept: ``launcher`` (``launch``: run a notebook function on N ranks), ``data``
 (Fashion-MNIST as in-memory tensors), ``model`` (the course's CNN), ``checks`` (are the
 replicas equal?), ``plots`` (per-rank loss curves), ``detect`` (notebook 04's bug detectors),
-``averaging`` (notebook 05's averaging variants), ``exercises`` (the exercises' self-checks). Submodules are imported on first use, so
-that ``python -m gradsync_tutorial._worker`` starts without paying for matplotlib.
+``averaging`` (notebook 05's averaging variants), ``exercises`` (the exercises' self-checks).
+Submodules are imported on first use, so that ``python -m gradsync_tutorial._worker`` starts
+without paying for matplotlib.
 """
 
 from __future__ import annotations

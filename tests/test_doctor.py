@@ -192,7 +192,9 @@ def _fake_checks(monkeypatch, **overrides):
         "check_data": lambda: Check("data", "ok", "Fashion-MNIST"),
         "check_network": lambda: Check("network", "ok", "works"),
         "check_launch": lambda: Check("launch", "ok", "2 ranks", value=2.0),
-        "measure_epoch": lambda: Check("epoch", "ok", "one epoch", value=doctor.REFERENCE_EPOCH_SECONDS),
+        "measure_epoch": lambda: Check(
+            "epoch", "ok", "one epoch", value=doctor.REFERENCE_EPOCH_SECONDS
+        ),
     }
     fakes.update(overrides)
     for name, fake in fakes.items():
