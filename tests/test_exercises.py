@@ -418,3 +418,64 @@ def test_save_checkpoint_nothing_written():
     with pytest.raises(ExerciseFailed, match=r"no file at `path` after forgot_to_save "
                                              r"\(collectives called: barrier once\)"):
         exercises.check_save_checkpoint(forgot_to_save)
+
+
+# --------------------------------------------------------------------------------------------
+# 05: average_overlapped
+# --------------------------------------------------------------------------------------------
+
+
+def _overlapped(divide=True, clear=True, use_async=True):
+    """A learner's average_overlapped, with one of the typical mistakes switched on."""
+
+    def average_overlapped(model):
+        pending = []
+
+        def start(param):
+            pending.append((param, dist.all_reduce(param.grad, async_op=use_async)))
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(start)
+
+        def finish():
+            for param, handle in pending:
+                if use_async:
+                    handle.wait()
+                if divide:
+                    param.grad /= dist.get_world_size()
+            if clear:
+                pending.clear()
+
+        return finish
+
+    return average_overlapped
+
+
+def test_average_overlapped_wrong_answers():
+    def after_backward(model):  # notebook 02's loop, moved into finish(): right, no overlap
+        def finish():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+
+        return finish
+
+    with pytest.raises(ExerciseFailed, match=r"no all_reduce started during backward in step 1 "
+                                             r"\(all 8 in finish\(\)\): nothing overlaps"):
+        exercises.check_average_overlapped(after_backward)
+    with pytest.raises(ExerciseFailed, match=r"8 of the 8 all_reduce calls made during backward "
+                                             r"in step 1 had no async_op=True"):
+        exercises.check_average_overlapped(_overlapped(use_async=False))
+    with pytest.raises(ExerciseFailed, match=r"in step 1, your gradients are 2\.0× the mean over "
+                                             r"ranks: divide by the world size"):
+        exercises.check_average_overlapped(_overlapped(divide=False))
+    with pytest.raises(ExerciseFailed, match=r"step 1 is right, but in step 2 your gradients .*: "
+                                             r"did finish\(\) handle step 1's handles again\?"):
+        exercises.check_average_overlapped(_overlapped(clear=False))
+
+    def returns_none(model):  # forgot `return finish`
+        pass
+
+    with pytest.raises(ExerciseFailed, match=r"returns_none\(model\) returned NoneType None: "
+                                             r"return the function"):
+        exercises.check_average_overlapped(returns_none)
