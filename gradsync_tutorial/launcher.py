@@ -468,16 +468,16 @@ def _pool_key(world_size: int) -> tuple:
     return (world_size, sys.executable, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def _take_workers(world_size: int, reuse: bool) -> tuple[_Workers, bool]:
-    """Return (workers, reused): the idle pool if it fits, else freshly started processes."""
+def _take_workers(world_size: int, reuse: bool) -> _Workers:
+    """Return the idle pool if it fits, else freshly started processes."""
     global _idle
     with _pool_lock:
         pool, _idle = _idle, None
     if pool is not None:
         if reuse and pool.key == _pool_key(world_size) and pool.alive():
-            return pool, True
+            return pool
         pool.stop()
-    return _Workers(world_size), False
+    return _Workers(world_size)
 
 
 def _give_back(workers: _Workers, reuse: bool) -> None:
@@ -573,7 +573,7 @@ def launch(
                           wait_for_workers=False, timeout=_timedelta(timeout))
     start = time.monotonic()
     deadline = start + timeout
-    workers, _ = _take_workers(world_size, reuse_workers)
+    workers = _take_workers(world_size, reuse_workers)
     workers.show = set(range(world_size) if show_ranks is None else show_ranks)
     workers.job_id += 1
     state = _JobState(workers.job_id)
