@@ -57,3 +57,20 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in readme and re.search(r"^make test\b", ci, re.M)
+
+
+def test_wheel_ships_every_module_of_the_package(tmp_path):
+    """A module missing from the wheel would only show up after `pip install .` (not `-e .`)."""
+    import subprocess
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("gradsync_tutorial-*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    source = {p.relative_to(REPO).as_posix()
+              for p in (REPO / "gradsync_tutorial").rglob("*.py")}
+    assert source and source <= shipped, f"missing from the wheel: {sorted(source - shipped)}"
