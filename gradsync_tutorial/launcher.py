@@ -73,6 +73,9 @@ __all__ = [
 
 BACKENDS = ("auto", "gloo", "nccl")
 GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
+# Start-up is not part of a launch's timeout: a fresh worker imports torch (2 s here, far more on
+# a laptop with an antivirus). It gets max(timeout, STARTUP_SECONDS) of its own.
+STARTUP_SECONDS = 60.0
 TOKEN_BYTES = 16
 
 HANG_HINT = (
@@ -330,21 +333,31 @@ class _Workers:
             if not all(self.conns):
                 self._accept()
             self._handle_next_event(state)
-            for rank, proc in enumerate(self.procs):
-                if rank not in state.results and rank not in state.failures:
-                    returncode = proc.poll()
-                    if returncode is not None:
-                        state.fail(rank, f"rank {rank} {_describe_exit(returncode)}")
+            self._note_exits(state)
             if state.failures:
                 return
             if time.monotonic() > deadline:
                 raise _Deadline
 
-    def drain(self, state: _JobState, until: Callable[[], bool], seconds: float) -> None:
-        """Keep forwarding output for up to ``seconds`` until ``until()``; never raises."""
+    def drain(self, state: _JobState, until: Callable[[], bool], seconds: float,
+              note_exits: bool = False) -> None:
+        """Keep forwarding output for up to ``seconds`` until ``until()``; never raises.
+
+        ``note_exits``: also record ranks whose process ended (only before we stop them).
+        """
         end = time.monotonic() + seconds
         while not until() and time.monotonic() < end:
             self._handle_next_event(state)
+            if note_exits:
+                self._note_exits(state)
+
+    def _note_exits(self, state: _JobState) -> None:
+        """A rank whose process ended without reporting a result or an error has failed."""
+        for rank, proc in enumerate(self.procs):
+            if rank not in state.results and rank not in state.failures:
+                returncode = proc.poll()
+                if returncode is not None:
+                    state.fail(rank, f"rank {rank} {_describe_exit(returncode)}")
 
     def _handle_next_event(self, state: _JobState) -> None:
         """Print a worker's line, or record a message, an end mark or an EOF (wait <= 10 ms)."""
@@ -540,8 +553,10 @@ def launch(
         args: extra positional arguments, copied to every rank.
         backend: ``"auto"`` (nccl with one GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
             With a GPU per rank, each rank's current device is ``cuda:LOCAL_RANK``.
-        timeout: seconds the whole launch may take, start-up included. Past it every rank is
-            stopped and :class:`LaunchTimeoutError` names the ranks that had not finished.
+        timeout: seconds ``fn`` may run, counted from the moment every rank is ready. Past it
+            every rank is stopped and :class:`LaunchTimeoutError` names the ranks that had not
+            finished. Start-up (fresh workers import torch) has a limit of its own,
+            ``max(timeout, STARTUP_SECONDS)``, so a short timeout also works on cold workers.
         num_threads: ``torch.set_num_threads`` in each rank; default: CPU cores // world_size,
             at least 1, so that the ranks do not oversubscribe a laptop.
         show_ranks: print only these ranks' output (default: all ranks).
@@ -571,14 +586,14 @@ def launch(
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
     store = dist.TCPStore("127.0.0.1", master_port or 0, is_master=True,
                           wait_for_workers=False, timeout=_timedelta(timeout))
-    start = time.monotonic()
-    deadline = start + timeout
     workers = _take_workers(world_size, reuse_workers)
     workers.show = set(range(world_size) if show_ranks is None else show_ranks)
     workers.job_id += 1
     state = _JobState(workers.job_id)
+    startup = max(timeout, STARTUP_SECONDS)
     try:
-        workers.pump(state, deadline, lambda: all(workers.conns))
+        workers.pump(state, time.monotonic() + startup, lambda: all(workers.conns))
+        deadline = time.monotonic() + timeout  # the job's own time starts now
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
         for rank in range(world_size):
             env = dict(base_env, **_torchrun_env(rank, world_size, store.port, num_threads))
@@ -596,7 +611,7 @@ def launch(
     except _Deadline:
         workers.stop()
         workers.drain(state, lambda: True, 0)
-        _raise_timeout(state, world_size, timeout, started=all(workers.conns))
+        _raise_timeout(state, world_size, timeout, startup, started=all(workers.conns))
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
         _stop_despite_interrupts(workers)
         raise
@@ -606,8 +621,13 @@ def launch(
     if state.failures:
         # Give the other ranks a moment to report errors of their own (an error raised on
         # every rank), then stop them all, and show what the failed ranks printed.
-        first = state.order[0]
-        workers.drain(state, lambda: len(state.failures) == world_size, 0.05)
+        workers.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
+        if all(_collateral(state, r) for r in state.failures):
+            # A rank lost its peer under a collective: the peer that went away is the story,
+            # and its exit can be noticed a moment after the survivor's report. Wait for it.
+            workers.drain(state, lambda: not all(_collateral(state, r) for r in state.failures)
+                          or len(state.failures) == world_size, 2.0, note_exits=True)
+        first = _root_cause(state)
         workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
         workers.stop()
         workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
@@ -645,13 +665,15 @@ def _timedelta(seconds: float):
     return timedelta(seconds=seconds)
 
 
-def _raise_timeout(state: _JobState, world_size: int, timeout: float, started: bool):
+def _raise_timeout(state: _JobState, world_size: int, timeout: float, startup: float,
+                   started: bool):
     unfinished = [r for r in range(world_size) if r not in state.results]
     finished = [r for r in range(world_size) if r in state.results]
     if not started:
         raise LaunchTimeoutError(
-            f"the {world_size} worker processes did not start within timeout={timeout:g} s "
-            "(each one imports torch). On a slow or busy machine pass a larger timeout=.",
+            f"the {world_size} worker processes did not start within {startup:g} s (each one "
+            "imports torch, which a busy machine or an antivirus can slow down a lot). Start-up "
+            "gets max(timeout, STARTUP_SECONDS): pass a larger timeout= to wait longer.",
             unfinished,
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
@@ -693,11 +715,16 @@ def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
     raise RankFailedError(message, dict(state.failures), first)
 
 
+def _root_cause(state: _JobState) -> int:
+    """The rank to blame: the first to fail other than by losing a peer, else the first."""
+    return next((r for r in state.order if not _collateral(state, r)), state.order[0])
+
+
 def _collateral(state: _JobState, rank: int) -> bool:
     """Did this rank fail on a connection its peer closed (gloo's and nccl's wording)?"""
     text = state.failures[rank].lower()
     return any(w in text for w in ("connection reset", "connection closed", "broken pipe",
-                                   "remote process exited", "peer"))
+                                   "remote process exited", "peer", "read error"))
 
 
 def _source_files(fn, args: Sequence[Any] = ()) -> dict[str, str]:

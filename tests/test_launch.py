@@ -236,6 +236,24 @@ def test_rank_dies_without_result(how, expected):
     assert worker_pids() == []
 
 
+def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
+    """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
+    sees rank 1's process end; rank 1 is still the story."""
+    from gradsync_tutorial.launcher import _describe_exit, _JobState, _raise_failure, _root_cause
+
+    state = _JobState(1)
+    state.sent = True
+    state.on_message(0, ("error", 1, "RuntimeError", "[pair.cc:545] Read error [127.0.0.1]:"
+                         "41234: Connection reset by peer", "Traceback ...", None))
+    state.fail(1, f"rank 1 {_describe_exit(-signal.SIGKILL)}")
+    assert _root_cause(state) == 1
+    with pytest.raises(RankFailedError) as info:
+        _raise_failure(state, _root_cause(state), {})
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL before returning a result")
+    assert "rank 0 raised RuntimeError" in str(info.value)
+    assert "(a consequence: a peer went away)" in str(info.value)
+
+
 def test_skipped_collective_times_out_naming_the_stuck_rank():
     def fn(rank, world_size):
         import torch.distributed as dist
@@ -252,6 +270,22 @@ def test_skipped_collective_times_out_naming_the_stuck_rank():
     message = str(info.value)
     assert "rank 0 had not finished (rank 1 returned)" in message
     assert "skipped" in message and "timeout=" in message
+    assert worker_pids() == []
+
+
+def test_timeout_counts_from_ready_ranks_not_from_start_up():
+    """Cold workers take seconds to import torch; a 1-second job timeout must not count that."""
+    gst.shutdown_workers()
+    start = time.monotonic()
+    assert gst.launch(_ok, world_size=2, timeout=1.0, reuse_workers=False) == [0, 1]
+    assert time.monotonic() - start > 1.0  # it was a cold start, longer than the timeout
+
+
+def test_workers_that_do_not_start_in_time_are_reported(monkeypatch):
+    monkeypatch.setattr(gst.launcher, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
+    gst.shutdown_workers()
+    with pytest.raises(LaunchTimeoutError, match="worker processes did not start within 0.2 s"):
+        gst.launch(_ok, world_size=2, timeout=0.2)
     assert worker_pids() == []
 
 
