@@ -576,6 +576,9 @@ def launch(
         >>> gst.launch(lambda rank, world_size: rank * 10, world_size=2)  # doctest: +SKIP
         [0, 10]
     """
+    # IPython and pytest hide frames that set this: an error cell then shows the rank's
+    # traceback (in the message) under the reader's own line, without the launcher's insides.
+    __tracebackhide__ = True
     _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
     backend, device = _resolve_backend(backend, world_size)
     payload = _serialize(fn, args)
@@ -611,7 +614,8 @@ def launch(
     except _Deadline:
         workers.stop()
         workers.drain(state, lambda: True, 0)
-        _raise_timeout(state, world_size, timeout, startup, started=all(workers.conns))
+        raise _timeout_error(state, world_size, timeout, startup,
+                             started=all(workers.conns)) from None
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
         _stop_despite_interrupts(workers)
         raise
@@ -631,7 +635,8 @@ def launch(
         workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
         workers.stop()
         workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
-        _raise_failure(state, first, _source_files(fn, args))
+        error = _failure(state, first, _source_files(fn, args))
+        raise error from error.__cause__  # the rank's exception, when it could be rebuilt
 
     _give_back(workers, reuse_workers)
     import cloudpickle
@@ -665,26 +670,27 @@ def _timedelta(seconds: float):
     return timedelta(seconds=seconds)
 
 
-def _raise_timeout(state: _JobState, world_size: int, timeout: float, startup: float,
-                   started: bool):
+def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: float,
+                   started: bool) -> LaunchTimeoutError:
     unfinished = [r for r in range(world_size) if r not in state.results]
     finished = [r for r in range(world_size) if r in state.results]
     if not started:
-        raise LaunchTimeoutError(
+        return LaunchTimeoutError(
             f"the {world_size} worker processes did not start within {startup:g} s (each one "
             "imports torch, which a busy machine or an antivirus can slow down a lot). Start-up "
             "gets max(timeout, STARTUP_SECONDS): pass a larger timeout= to wait longer.",
             unfinished,
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
-    raise LaunchTimeoutError(
+    return LaunchTimeoutError(
         f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
         f"All ranks were stopped. {HANG_HINT}",
         unfinished,
     )
 
 
-def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
+def _failure(state: _JobState, first: int, sources: dict[str, str]) -> RankFailedError:
+    """The error to raise; its ``__cause__`` is the rank's own exception when it unpickles."""
     # Lead with the rank that failed first: ranks failing just after it often fail *because*
     # of it (their peer's socket closed under a collective), and those get a note saying so.
     others = ""
@@ -707,12 +713,13 @@ def _raise_failure(state: _JobState, first: int, sources: dict[str, str]):
                 cause = cloudpickle.loads(pickled)
             except Exception:  # noqa: BLE001 - the message already has everything
                 cause = None
-        raise error from cause
+        error.__cause__ = cause
+        return error
     when = "" if state.sent else " while starting up, before running fn (its output is above)"
     tail = "".join(f"\n  {line}" for line in state.stderr_tail[first])
     tail = f"\nIts last lines on stderr:{tail}" if tail else ""
     message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}{tail}"
-    raise RankFailedError(message, dict(state.failures), first)
+    return RankFailedError(message, dict(state.failures), first)
 
 
 def _root_cause(state: _JobState) -> int:
