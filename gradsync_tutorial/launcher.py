@@ -43,26 +43,30 @@ stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised.
 from __future__ import annotations
 
 import atexit
-import collections
 import inspect
-import linecache
 import os
-import queue
-import re
-import secrets
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
-from ._worker import END_MARK
+from ._processes import _Deadline, _JobState, _Workers
+from .launch_errors import (
+    HANG_HINT,
+    LaunchError,
+    LaunchTimeoutError,
+    RankFailedError,
+    _collateral,
+    _failure,
+    _root_cause,
+    _source_files,
+    _timeout_error,
+)
 
 __all__ = [
+    "HANG_HINT",
     "LaunchError",
     "LaunchTimeoutError",
     "RankFailedError",
@@ -72,46 +76,11 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "gloo", "nccl")
-GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
 # Start-up is not part of a launch's timeout: a fresh worker imports torch (2 s here, far more on
 # a laptop with an antivirus). It gets max(timeout, STARTUP_SECONDS) of its own.
 STARTUP_SECONDS = 60.0
-TOKEN_BYTES = 16
-
-HANG_HINT = (
-    "The usual cause is a collective that not every rank called: a rank skipped it (for "
-    "example inside `if rank == 0:`), or the ranks ran different numbers of steps (uneven "
-    "data without drop_last). Every rank must make the same collective calls in the same "
-    "order. If the work is only slow, pass a larger timeout=."
-)
 
 
-class LaunchError(RuntimeError):
-    """A launch failed. ``failures`` maps each failed rank to what happened to it."""
-
-    def __init__(self, message: str, failures: dict[int, str] | None = None):
-        super().__init__(message)
-        self.failures = failures or {}
-
-
-class RankFailedError(LaunchError):
-    """A rank raised an exception, or its process died before returning.
-
-    ``rank`` is the rank that failed first; ``exc_type`` and ``traceback`` are its exception's
-    type name and the worker's formatted traceback (empty for a dead process).
-    """
-
-    def __init__(self, message, failures, rank, exc_type="", traceback=""):
-        super().__init__(message, failures)
-        self.rank, self.exc_type, self.traceback = rank, exc_type, traceback
-
-
-class LaunchTimeoutError(LaunchError, TimeoutError):
-    """The launch ran past its ``timeout``; ``unfinished`` lists the ranks still running."""
-
-    def __init__(self, message, unfinished: list[int]):
-        super().__init__(message, {r: "did not finish" for r in unfinished})
-        self.unfinished = unfinished
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,252 +190,6 @@ def _serialize(fn, args) -> bytes:
         ) from e
 
 
-# --------------------------------------------------------------------------------------------
-# A group of worker processes
-# --------------------------------------------------------------------------------------------
-
-
-def _signal_name(returncode: int) -> str:
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        name = _signal_name(returncode)
-        why = (" (SIGKILL usually means the machine ran out of memory and the kernel's OOM "
-               "killer stopped it)" if name == "SIGKILL" else "")
-        return f"was killed by {name} before returning a result{why}"
-    return f"exited with code {returncode} before returning a result"
-
-
-class _Workers:
-    """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.key = _pool_key(world_size)
-        self.events: queue.Queue = queue.Queue()
-        self.conns: list[Connection | None] = [None] * world_size
-        self.procs: list[subprocess.Popen] = []
-        self.threads: list[threading.Thread] = []
-        self.tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(world_size)]
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.setblocking(False)
-        self.job_id = 0
-        self.show: set[int] = set(range(world_size))
-        host, port = self.server.getsockname()[:2]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADSYNC_CONTROL=f"{host}:{port}")
-        for rank in range(world_size):
-            env["GRADSYNC_TOKEN"] = self.tokens[rank].hex()
-            kwargs: dict[str, Any] = {}
-            if os.name == "posix":
-                kwargs["start_new_session"] = True  # own process group: we stop it whole
-            else:
-                kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "gradsync_tutorial._worker"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, **kwargs,
-            )
-            self.procs.append(proc)
-            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-                self._thread(self._read_lines, rank, name, pipe)
-
-    def _thread(self, target, *args):
-        t = threading.Thread(target=target, args=args, daemon=True, name="gradsync-reader")
-        t.start()
-        self.threads.append(t)
-
-    def _read_lines(self, rank, stream, pipe):
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode("utf-8", "replace").rstrip("\r\n")
-            text = text.rsplit("\r", 1)[-1]  # a progress bar redrawn with \r: its last state
-            if text.startswith(END_MARK):
-                self.events.put(("mark", rank, stream, int(text.split()[-1])))
-            else:
-                self.events.put(("line", rank, stream, text))
-        self.events.put(("eof", rank, stream, None))
-
-    def _read_messages(self, rank, conn):
-        try:
-            while True:
-                self.events.put(("msg", rank, None, conn.recv()))
-        except (EOFError, OSError):
-            self.events.put(("closed", rank, None, None))
-
-    def _accept(self):
-        """Take any worker that has connected back; check its token to learn its rank."""
-        while True:
-            try:
-                sock, _ = self.server.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            sock.settimeout(5)
-            try:
-                token = b""
-                while len(token) < TOKEN_BYTES:
-                    chunk = sock.recv(TOKEN_BYTES - len(token))
-                    if not chunk:
-                        break
-                    token += chunk
-            except OSError:
-                token = b""
-            if token not in self.tokens or self.conns[self.tokens.index(token)] is not None:
-                sock.close()  # not one of ours
-                continue
-            rank = self.tokens.index(token)
-            sock.settimeout(None)
-            self.conns[rank] = Connection(sock.detach())
-            self._thread(self._read_messages, rank, self.conns[rank])
-
-    def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
-
-    # -- the pump: everything the launcher waits for goes through here -------------------------
-
-    def pump(self, state: _JobState, deadline: float, done: Callable[[], bool]) -> None:
-        """Forward output and collect messages until ``done()``, a failure, or the deadline."""
-        while not done():
-            if not all(self.conns):
-                self._accept()
-            self._handle_next_event(state)
-            self._note_exits(state)
-            if state.failures:
-                return
-            if time.monotonic() > deadline:
-                raise _Deadline
-
-    def drain(self, state: _JobState, until: Callable[[], bool], seconds: float,
-              note_exits: bool = False) -> None:
-        """Keep forwarding output for up to ``seconds`` until ``until()``; never raises.
-
-        ``note_exits``: also record ranks whose process ended (only before we stop them).
-        """
-        end = time.monotonic() + seconds
-        while not until() and time.monotonic() < end:
-            self._handle_next_event(state)
-            if note_exits:
-                self._note_exits(state)
-
-    def _note_exits(self, state: _JobState) -> None:
-        """A rank whose process ended without reporting a result or an error has failed."""
-        for rank, proc in enumerate(self.procs):
-            if rank not in state.results and rank not in state.failures:
-                returncode = proc.poll()
-                if returncode is not None:
-                    state.fail(rank, f"rank {rank} {_describe_exit(returncode)}")
-
-    def _handle_next_event(self, state: _JobState) -> None:
-        """Print a worker's line, or record a message, an end mark or an EOF (wait <= 10 ms)."""
-        try:
-            kind, rank, stream, value = self.events.get(timeout=0.01)
-        except queue.Empty:
-            return
-        if kind == "line":
-            if stream == "stderr":
-                state.stderr_tail[rank].append(value)
-            if rank in self.show:
-                print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
-        elif kind == "mark":
-            state.marks.add((rank, stream, value))
-        elif kind == "eof":
-            state.eofs.add((rank, stream))
-        elif kind == "msg":
-            state.on_message(rank, value)
-
-    def send(self, rank: int, message: tuple) -> None:
-        try:
-            self.conns[rank].send(message)
-        except OSError:
-            pass  # it died: the pump sees the exit and reports it
-
-    def stop(self) -> None:
-        """Stop every worker (SIGTERM to its process group, SIGKILL after a grace period)."""
-        for proc in self.procs:
-            _signal_group(proc, signal.SIGTERM)
-        end = time.monotonic() + GRACE_SECONDS
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            _signal_group(proc, getattr(signal, "SIGKILL", signal.SIGTERM))
-            proc.wait()
-        self.close()
-
-    def close(self) -> None:
-        for conn in self.conns:
-            if conn is not None:
-                conn.close()
-        self.server.close()
-        for t in self.threads:
-            t.join(timeout=1)
-        for proc in self.procs:
-            for pipe in (proc.stdout, proc.stderr):
-                pipe.close()
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the worker and anything it started (its data-loader workers, say)."""
-    if proc.poll() is not None and os.name != "posix":
-        return
-    try:
-        if os.name == "posix":
-            os.killpg(proc.pid, sig)
-        elif sig == signal.SIGTERM:
-            proc.terminate()
-        else:
-            proc.kill()
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
-
-
-class _Deadline(Exception):
-    pass
-
-
-class _JobState:
-    """What the launcher knows about one job: results, failures, end marks seen."""
-
-    def __init__(self, job_id: int):
-        self.job_id = job_id
-        self.results: dict[int, bytes] = {}
-        self.failures: dict[int, str] = {}
-        self.errors: dict[int, tuple] = {}
-        self.order: list[int] = []  # ranks in the order they failed
-        self.ready: set[int] = set()
-        self.marks: set = set()
-        self.eofs: set = set()
-        self.sent = False  # has the job been sent (the ranks are past start-up)?
-        self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
-
-    def fail(self, rank: int, description: str) -> None:
-        if rank not in self.failures:
-            self.failures[rank] = description
-            self.order.append(rank)
-
-    def on_message(self, rank: int, message: tuple) -> None:
-        kind, job_id, *rest = message
-        if job_id != self.job_id:
-            return
-        if kind == "ok":
-            self.results[rank] = rest[0]
-        elif kind == "error":
-            exc_type, text, tb, pickled = rest
-            self.errors[rank] = (exc_type, text, tb, pickled)
-            self.fail(rank, f"rank {rank} raised {exc_type}: {text}")
-        elif kind == "ready":
-            self.ready.add(rank)
-
-    def output_complete(self, ranks: Iterable[int]) -> bool:
-        return all(
-            (r, s, self.job_id) in self.marks or (r, s) in self.eofs
-            for r in ranks for s in ("stdout", "stderr")
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,7 +213,7 @@ def _take_workers(world_size: int, reuse: bool) -> _Workers:
         if reuse and pool.key == _pool_key(world_size) and pool.alive():
             return pool
         pool.stop()
-    return _Workers(world_size)
+    return _Workers(world_size, _pool_key(world_size))
 
 
 def _give_back(workers: _Workers, reuse: bool) -> None:
@@ -668,118 +391,3 @@ def _timedelta(seconds: float):
     from datetime import timedelta
 
     return timedelta(seconds=seconds)
-
-
-def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: float,
-                   started: bool) -> LaunchTimeoutError:
-    unfinished = [r for r in range(world_size) if r not in state.results]
-    finished = [r for r in range(world_size) if r in state.results]
-    if not started:
-        return LaunchTimeoutError(
-            f"the {world_size} worker processes did not start within {startup:g} s (each one "
-            "imports torch, which a busy machine or an antivirus can slow down a lot). Start-up "
-            "gets max(timeout, STARTUP_SECONDS): pass a larger timeout= to wait longer.",
-            unfinished,
-        )
-    done = f" ({_ranks(finished)} returned)" if finished else ""
-    return LaunchTimeoutError(
-        f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
-        f"All ranks were stopped. {HANG_HINT}",
-        unfinished,
-    )
-
-
-def _failure(state: _JobState, first: int, sources: dict[str, str]) -> RankFailedError:
-    """The error to raise; its ``__cause__`` is the rank's own exception when it unpickles."""
-    # Lead with the rank that failed first: ranks failing just after it often fail *because*
-    # of it (their peer's socket closed under a collective), and those get a note saying so.
-    others = ""
-    for rank in state.order:
-        if rank != first:
-            note = " (a consequence: a peer went away)" if _collateral(state, rank) else ""
-            others += f"\n  {state.failures[rank]}{note}"
-    others = f"\nOther ranks failed after it:{others}" if others else ""
-    if first in state.errors:
-        exc_type, text, tb, pickled = state.errors[first]
-        tb = _with_source_lines(tb, sources)
-        message = (f"rank {first} raised {exc_type}: {text}\nAll ranks were stopped.{others}"
-                   f"\n\nTraceback from rank {first}:\n{tb}")
-        error = RankFailedError(message, dict(state.failures), first, exc_type, tb)
-        cause = None
-        if pickled is not None:
-            try:
-                import cloudpickle
-
-                cause = cloudpickle.loads(pickled)
-            except Exception:  # noqa: BLE001 - the message already has everything
-                cause = None
-        error.__cause__ = cause
-        return error
-    when = "" if state.sent else " while starting up, before running fn (its output is above)"
-    tail = "".join(f"\n  {line}" for line in state.stderr_tail[first])
-    tail = f"\nIts last lines on stderr:{tail}" if tail else ""
-    message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}{tail}"
-    return RankFailedError(message, dict(state.failures), first)
-
-
-def _root_cause(state: _JobState) -> int:
-    """The rank to blame: the first to fail other than by losing a peer, else the first."""
-    return next((r for r in state.order if not _collateral(state, r)), state.order[0])
-
-
-def _collateral(state: _JobState, rank: int) -> bool:
-    """Did this rank fail on a connection its peer closed (gloo's and nccl's wording)?"""
-    text = state.failures[rank].lower()
-    return any(w in text for w in ("connection reset", "connection closed", "broken pipe",
-                                   "remote process exited", "peer", "read error"))
-
-
-def _source_files(fn, args: Sequence[Any] = ()) -> dict[str, str]:
-    """Map function name -> source file for ``fn``, the functions it uses and those in ``args``.
-
-    cloudpickle renames the code it ships ``<dynamic-code>``; with this map the launcher
-    puts the notebook cell's file name and source line back into a worker's traceback.
-    """
-    files: dict[str, str] = {}
-    seen: set[int] = set()
-
-    def visit(obj, depth=0):
-        code = getattr(obj, "__code__", None)
-        if code is None or id(code) in seen or depth > 3:
-            return
-        seen.add(id(code))
-        stack = [code]
-        while stack:
-            c = stack.pop()
-            files.setdefault(c.co_name, c.co_filename)
-            stack.extend(k for k in c.co_consts if hasattr(k, "co_filename"))
-        for name in code.co_names:
-            visit(getattr(obj, "__globals__", {}).get(name), depth + 1)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                visit(cell.cell_contents, depth + 1)
-            except ValueError:  # empty cell
-                pass
-
-    visit(fn)
-    for arg in args:  # functions passed in args (an averaging function, say)
-        visit(arg)
-    return files
-
-
-def _with_source_lines(tb: str, sources: dict[str, str]) -> str:
-    def fix(match):
-        line, name = int(match.group(1)), match.group(2)
-        path = sources.get(name)
-        if path is None:
-            return match.group(0)
-        text = linecache.getline(path, line).strip()
-        return f'File "{path}", line {line}, in {name}' + (f"\n    {text}" if text else "")
-
-    return re.sub(r'File "<dynamic-code>", line (\d+), in (\S+)', fix, tb)
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks))

@@ -244,7 +244,8 @@ def test_rank_dies_without_result(how, expected):
 def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
     """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
     sees rank 1's process end; rank 1 is still the story."""
-    from gradsync_tutorial.launcher import _describe_exit, _failure, _JobState, _root_cause
+    from gradsync_tutorial._processes import _describe_exit, _JobState
+    from gradsync_tutorial.launch_errors import _failure, _root_cause
 
     state = _JobState(1)
     state.sent = True
