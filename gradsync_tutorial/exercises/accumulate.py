@@ -1,0 +1,150 @@
+"""Exercise of notebook 01 (``01_single_device_baseline.ipynb``): ``accumulate_gradients(model,
+images, labels, micro_batches)`` leaves the whole batch's gradient, one micro-batch at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._common import (
+    _differing,
+    _fail,
+    _flatten,
+    _grads,
+    _is_number,
+    _max_abs_diff,
+    _model_and_data,
+    _name,
+    _not_attempted,
+    _passed,
+    _reference_gradient,
+    _require_function,
+    _scale,
+    _times,
+    _where,
+)
+
+
+def check_accumulate_gradients(accumulate_gradients: Callable, micro_batches: int = 4) -> bool:
+    """Check ``accumulate_gradients(model, images, labels, micro_batches)``.
+
+    It must leave in ``.grad`` the gradient of the *whole* batch's mean loss
+    (``F.nll_loss``), computed one micro-batch at a time (``micro_batches`` equal pieces, one
+    ``backward()`` each), and return that mean loss as a float. The caller zeroes the
+    gradients before and steps the optimizer after. Runs in this process (one process, no
+    ranks) on the course's model, dropout off, and a batch of ``8 * micro_batches`` random
+    images; compares with one ``backward()`` on the whole batch. Says so if the gradients are
+    ``micro_batches``× too large (no division), hold only the last micro-batch's (a
+    ``zero_grad`` inside the loop), or if the model saw the whole batch at once.
+
+        >>> import gradsync_tutorial as gst
+        >>> def accumulate_gradients(model, images, labels, micro_batches):
+        ...     total = 0.0
+        ...     for x, y in zip(images.chunk(micro_batches), labels.chunk(micro_batches)):
+        ...         loss = F.nll_loss(model(x), y) / micro_batches
+        ...         loss.backward()                  # adds this piece's share into .grad
+        ...         total += loss.item()
+        ...     return total
+        >>> gst.exercises.check_accumulate_gradients(accumulate_gradients)  # doctest: +SKIP
+        ✓ correct: ...
+        True
+
+    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Exercise of ``notebooks/01_single_device_baseline.ipynb``.
+    """
+    __tracebackhide__ = True  # IPython and pytest show the message, not this frame
+    usage = "accumulate_gradients(model, images, labels, micro_batches)"
+    _require_function(accumulate_gradients, 4, usage)
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 2:
+        raise ValueError(f"micro_batches must be an int >= 2, got {micro_batches!r}.")
+    name = _name(accumulate_gradients)
+    batch = 8 * micro_batches
+    with torch.random.fork_rng(devices=[]):  # leave the notebook's random state alone
+        model, images, labels = _model_and_data(0, batch)
+        expected, expected_loss = _reference_gradient(model, images, labels)
+        pieces = list(zip(images.chunk(micro_batches), labels.chunk(micro_batches), strict=True))
+        last_grad, last_loss = _reference_gradient(model, *pieces[-1])
+        piece_losses = [_reference_gradient(model, x, y)[1] for x, y in pieces]
+        seen: list[int] = []
+        hook = model.register_forward_pre_hook(
+            lambda module, args: seen.append(len(args[0]) if args else 0)
+        )
+        try:
+            loss = accumulate_gradients(model, images.clone(), labels.clone(), micro_batches)
+        except NotImplementedError:
+            return _not_attempted(accumulate_gradients, "accumulate_gradients")
+        finally:
+            hook.remove()
+    got = _grads(model)
+    piece = batch // micro_batches
+
+    if not seen:
+        _fail(f"{name} never called the model: run model(x) on each micro-batch.")
+    if max(seen) > piece:
+        _fail(
+            f"your model saw {max(seen)} samples in one forward pass: split the batch of "
+            f"{batch} into {micro_batches} micro-batches of {piece} (images.chunk(micro_batches)) "
+            "and run one piece at a time; that is what keeps the memory small."
+        )
+    if model.training:
+        _fail(f"{name} switched the model to train mode: leave the mode to the caller (the "
+              "check runs it in eval mode, so that dropout does not make the result random).")
+    missing = [n for n, g in got.items() if g is None]
+    if missing:
+        _fail(f"`{missing[0]}` has no gradient after {name}: call backward() on each "
+              "micro-batch's loss.")
+    if _flatten(got).abs().max() == 0:
+        _fail(f"your gradients are all zero after {name}: call backward() on each micro-batch's "
+              "loss, and do not zero the gradients after it.")
+    c = _scale(got, expected)
+    if c is not None and abs(c - micro_batches) < 1e-3:
+        _fail(
+            f"your gradients are {_times(c)} the expected ones: did you divide each micro-batch's "
+            f"loss by micro_batches? backward() adds into .grad, so {micro_batches} backward "
+            f"calls add up {micro_batches} gradients; the batch's mean loss is their sum / "
+            f"{micro_batches}."
+        )
+    if c is None or abs(c - 1) > 1e-3:
+        last = _scale(got, last_grad)
+        if last is not None:
+            _fail(
+                f"your gradient is the last micro-batch's only (times {last:.3g}): the earlier "
+                "pieces' gradients were thrown away. Did you call zero_grad() (or set .grad = "
+                "None) inside the loop? Zero once, before all the pieces (the caller does it), "
+                "and let backward() add them up."
+            )
+    if c is not None and abs(c - 1) > 1e-3:
+        _fail(f"your gradients are {_times(c)} the expected ones (the gradient of the whole "
+              "batch's mean loss): how do you scale each micro-batch's loss?")
+    differing = _differing(got, expected)
+    if differing:
+        _fail(f"your gradient differs from the whole batch's in {_where(differing, len(got))}: "
+              "are the micro-batches equal pieces covering the whole batch once?")
+
+    if loss is None:
+        _fail(f"{name} returned None: return the whole batch's mean loss, as a float (for "
+              "logging).")
+    if isinstance(loss, torch.Tensor):
+        _fail(f"{name} returned a tensor, {loss!r:.60}: return a float (`loss.item()`), so that "
+              "the loss you keep for logging does not hold on to the computation graph.")
+    if not _is_number(loss):
+        _fail(f"{name} returned {type(loss).__name__} {loss!r:.60}: return the mean loss, a "
+              "float.")
+    loss = float(loss)
+    if abs(loss - expected_loss) > 1e-5 * max(1.0, abs(expected_loss)):
+        if abs(loss - sum(piece_losses)) < 1e-4:
+            hint = (f" It is the sum of the {micro_batches} micro-batch losses: divide by "
+                    "micro_batches (or add up the scaled losses).")
+        elif abs(loss - last_loss) < 1e-5 or abs(loss - last_loss / micro_batches) < 1e-5:
+            hint = " It is the last micro-batch's: add up every piece's (scaled) loss."
+        else:
+            hint = ""
+        _fail(f"{name} returned the loss {loss:.6g}; the whole batch's mean loss is "
+              f"{expected_loss:.6g}.{hint}")
+    worst = max(_max_abs_diff(got[n], expected[n]) for n in expected)
+    return _passed(
+        f"{micro_batches} micro-batches of {piece} give the gradient of the whole batch of "
+        f"{batch} (max abs difference {worst:.1e}) and its mean loss {expected_loss:.4f}."
+    )
