@@ -49,7 +49,7 @@ def _describe_exit(returncode: int) -> str:
 class _Workers:
     """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
 
-    def __init__(self, world_size: int, key: tuple = ()):
+    def __init__(self, world_size: int, key: tuple):
         self.world_size = world_size
         self.key = key  # what the idle pool matches a later launch against
         self.events: queue.Queue = queue.Queue()
