@@ -5,11 +5,13 @@
     torchrun --standalone --nproc-per-node 4 scripts/train_ddp.py --checkpoint checkpoints/ddp.pt \\
         --resume --epochs 6                     # three more epochs, from where the first run ended
 
-The same file runs on CPUs (gloo) and on one GPU per rank (nccl), on one machine or on many (the
-README has the multi-node and SLURM commands), with no edits. It is the loop of notebooks 02 and
-03 as a script; notebooks/06_from_notebook_to_torchrun.ipynb walks through it and checks that it
-gives the same parameters as ``gst.launch``, and that a resumed run equals a straight one.
-``scripts/train_manual.py`` is this file with DDP swapped for notebook 02's ``all_reduce``.
+Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) and
+``scripts/train_ddp.py`` (DistributedDataParallel, notebook 03), run on CPUs (gloo) and on one GPU
+per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
+with no edits. Each stands alone, so ``diff scripts/train_manual.py scripts/train_ddp.py`` is
+exactly what DDP changes; copy either one into your own code. Notebook 06
+(notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
+same parameters as ``gst.launch``, and that a resumed run equals a straight one.
 
 What a rank does, in order:
 
@@ -17,9 +19,9 @@ What a rank does, in order:
 * ``main``: ``init_distributed`` (device, backend, process group), ``train``, and on the way
   out, after an error too, free what ``train`` built, then ``destroy_process_group``.
   ``@record`` puts a failing rank's traceback into torchrun's error summary;
-* ``train``: the same seed on every rank, ``DistributedSampler`` + ``set_epoch`` for the shards,
-  the loop, the loss averaged over the ranks printed by rank 0, a checkpoint after every epoch,
-  and at the end a check that every rank holds the same parameters.
+* ``train``: the same seed on every rank, the model wrapped in DDP, ``DistributedSampler`` +
+  ``set_epoch`` for the shards, the loop, the loss averaged over the ranks printed by rank 0, a
+  checkpoint after every epoch, and at the end a check that every rank holds the same parameters.
 """
 
 from __future__ import annotations
@@ -92,18 +94,6 @@ def init_distributed() -> torch.device:
     return device
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The Net inside DDP: its state dict has no "module." prefix and loads into a plain Net."""
-    return model.module if isinstance(model, DDP) else model
-
-
-def build(args: argparse.Namespace, device: torch.device):
-    """The model and its optimizer. Strategy-specific: DDP averages the gradients."""
-    torch.manual_seed(args.seed)  # the same initial weights and dropout draws on every rank
-    model = DDP(Net().to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
-
-
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One step on this rank's share of the global batch; returns this rank's loss."""
     optimizer.zero_grad()
@@ -127,7 +117,7 @@ def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch
     """
     if dist.get_rank() == 0:
         checkpoint = {
-            "model": unwrap(model).state_dict(),
+            "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),  # SGD's momentum buffers
             "epochs_done": epochs_done,
             "rng": {"cpu": torch.get_rng_state(),
@@ -144,7 +134,7 @@ def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
     # map_location="cpu": rank 0 saved tensors that lived on its GPU, cuda:0; without it every
     # rank would load them onto cuda:0. load_state_dict copies them to this rank's device.
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    unwrap(model).load_state_dict(checkpoint["model"])
+    model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["cpu"])
     if device.type == "cuda" and checkpoint["rng"]["cuda"] is not None:
@@ -152,12 +142,8 @@ def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
     return checkpoint["epochs_done"]
 
 
-def train(args: argparse.Namespace, build=build, train_step=train_step) -> dict:
-    """Train on this rank and return the model's final state dict. Needs the process group.
-
-    ``build`` and ``train_step`` are the two strategy-specific pieces (train_manual.py passes
-    its own); everything else is the same whatever averages the gradients.
-    """
+def train(args: argparse.Namespace) -> dict:
+    """Train on this rank and return the model's final state dict. Needs the process group."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = local_device()
     batch_size = args.batch_size // world_size  # this rank's share of every step
@@ -175,7 +161,11 @@ def train(args: argparse.Namespace, build=build, train_step=train_step) -> dict:
                                  rank=rank, shuffle=True, seed=args.seed)
 
     torch.backends.cudnn.deterministic = True  # GPUs: the same sums in the same order each run
-    model, optimizer = build(args, device)
+    torch.manual_seed(args.seed)  # the same initial weights and dropout draws on every rank
+    model = Net().to(device)
+    # DDP broadcasts rank 0's weights now, and averages the gradients inside every backward().
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
     done = 0
     if args.resume and Path(args.checkpoint).exists():
         done = load_checkpoint(args.checkpoint, model, optimizer, device)
@@ -194,7 +184,7 @@ def train(args: argparse.Namespace, build=build, train_step=train_step) -> dict:
         for i in range(0, len(shard), batch_size):
             idx = shard[i : i + batch_size]
             x, y = images[idx].to(device), labels[idx].to(device)
-            losses.append(train_step(model, optimizer, x, y))
+            losses.append(train_step(ddp_model, optimizer, x, y))
         loss = torch.stack(losses).mean()  # this rank's mean loss over its steps
         dist.all_reduce(loss)  # every rank receives the sum over all ranks ...
         loss /= world_size  # ... and the mean, as for the gradients
@@ -203,17 +193,17 @@ def train(args: argparse.Namespace, build=build, train_step=train_step) -> dict:
         if args.checkpoint:
             save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, device)
 
-    diff = max_diff_across_ranks(unwrap(model))  # a collective: every rank calls it
+    diff = max_diff_across_ranks(model)  # a collective: every rank calls it
     log(f"parameters equal across {world_size} ranks: max |p - p on rank 0| = {diff}")
-    return unwrap(model).state_dict()
+    return model.state_dict()
 
 
 @record  # a failing rank writes its traceback where torchrun's error summary picks it up
-def main(argv: list[str] | None = None, build=build, train_step=train_step) -> None:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     init_distributed()
     try:
-        train(args, build, train_step)
+        train(args)
     finally:
         # What train() built (DDP holds the process group) can outlive it in a reference cycle
         # (importing torchvision inside it makes one). Freed only at interpreter exit, after the

@@ -2,25 +2,98 @@
 
     torchrun --standalone --nproc-per-node 2 scripts/train_manual.py --smoke     # seconds, on CPUs
     torchrun --standalone --nproc-per-node 4 scripts/train_manual.py --checkpoint ckpt.pt
+    torchrun --standalone --nproc-per-node 4 scripts/train_manual.py --checkpoint ckpt.pt \\
+        --resume --epochs 6                     # three more epochs, from where the first run ended
 
-It takes the same arguments as ``scripts/train_ddp.py`` and runs in the same places (CPUs with
-gloo, GPUs with nccl, one machine or many). It *is* train_ddp.py with DistributedDataParallel
-replaced by ``average_gradients``: the torchrun plumbing (environment, backend, sampler, logging,
-checkpoints, errors) is imported from train_ddp.py, so that it stands in one place and these two
-files differ in exactly what notebooks 02 and 03 teach: ``build`` and ``train_step`` below.
-To copy one file into your own code, copy train_ddp.py.
+Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) and
+``scripts/train_ddp.py`` (DistributedDataParallel, notebook 03), run on CPUs (gloo) and on one GPU
+per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
+with no edits. Each stands alone, so ``diff scripts/train_manual.py scripts/train_ddp.py`` is
+exactly what DDP changes; copy either one into your own code. Notebook 06
+(notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
+same parameters as ``gst.launch``, and that a resumed run equals a straight one.
+
+What a rank does, in order:
+
+* torchrun starts it with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ... set;
+* ``main``: ``init_distributed`` (device, backend, process group), ``train``, and on the way
+  out, after an error too, free what ``train`` built, then ``destroy_process_group``.
+  ``@record`` puts a failing rank's traceback into torchrun's error summary;
+* ``train``: the same seed on every rank, a plain model on every rank, ``DistributedSampler`` +
+  ``set_epoch`` for the shards, the loop, the loss averaged over the ranks printed by rank 0, a
+  checkpoint after every epoch, and at the end a check that every rank holds the same parameters.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import os
+import time
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from train_ddp import MOMENTUM, main  # the same directory: python puts it on sys.path
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DistributedSampler, TensorDataset
 
+from gradsync_tutorial import local_device
+from gradsync_tutorial.checks import max_diff_across_ranks
+from gradsync_tutorial.data import DATASETS, load, prepare
 from gradsync_tutorial.model import Net
 
+MOMENTUM = 0.5
+SMOKE_SAMPLES = 1024  # --smoke: the first 1,024 images, 4 steps an epoch at --batch-size 256
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train the course's CNN on every rank that torchrun starts.",
+        epilog="example: torchrun --standalone --nproc-per-node 2 %(prog)s --smoke",
+    )
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs in all; a resumed run counts those already done (%(default)s)")
+    parser.add_argument("--batch-size", type=int, default=256,
+                        help="global batch: samples per step, over all ranks (%(default)s)")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (%(default)s)")
+    parser.add_argument("--seed", type=int, default=1234,
+                        help="initial weights, data order and dropout (%(default)s)")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
+    parser.add_argument("--data-root", default=None,
+                        help="data folder (default: $GRADSYNC_DATA, else the course's data/)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="file to save model, optimizer, epoch and RNG state to, every epoch")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint if it exists: one command line for the "
+                             "first start and every restart")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"a quick check: the first {SMOKE_SAMPLES} training images only")
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        parser.error("--resume continues from --checkpoint: give --checkpoint PATH too")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if args.batch_size % world_size:
+        parser.error(f"--batch-size {args.batch_size} is the global batch, split evenly over "
+                     f"{world_size} ranks: give a multiple of {world_size}")
+    return args
+
+
+def init_distributed() -> torch.device:
+    """Join the process group torchrun prepared; return this rank's device.
+
+    init_process_group() reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the
+    environment that torchrun (or gst.launch) set. With a GPU per local rank: nccl on
+    cuda:LOCAL_RANK; otherwise gloo on the CPU.
+    """
+    device = local_device()  # cuda:LOCAL_RANK when every local rank has a GPU, else cpu
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before init: nccl and every .cuda() use this GPU
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+# A deliberate lesson copy of gst.averaging.average_per_parameter: the script stands alone.
 def average_gradients(model: torch.nn.Module) -> None:
     """Notebook 02: every rank ends with the mean of all ranks' gradients."""
     world_size = dist.get_world_size()
@@ -29,13 +102,6 @@ def average_gradients(model: torch.nn.Module) -> None:
             continue
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # every rank receives the sum
         param.grad /= world_size  # sum / N = mean over ranks
-
-
-def build(args, device: torch.device):
-    """The model and its optimizer: a plain replica, the same start on every rank."""
-    torch.manual_seed(args.seed)  # the same initial weights and dropout draws on every rank
-    model = Net().to(device)  # no wrapper: train_step averages the gradients itself
-    return model, torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
 
 
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,5 +114,112 @@ def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return loss.detach()
 
 
+def log(message: str) -> None:
+    if dist.get_rank() == 0:  # one line per event, not one per rank
+        print(message, flush=True)
+
+
+def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch.device) -> None:
+    """Rank 0 writes the file; the barrier holds every rank until it is complete.
+
+    Every rank holds the same model and optimizer state, so one copy is enough. The RNG state
+    is saved because dropout draws random numbers: a resumed run must draw the ones the straight
+    run would have drawn. The data order needs nothing: it is a function of seed and epoch.
+    """
+    if dist.get_rank() == 0:
+        checkpoint = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),  # SGD's momentum buffers
+            "epochs_done": epochs_done,
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+        }
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(checkpoint, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # atomic: a crash while saving keeps the old file whole
+    dist.barrier()  # no rank goes on (or exits) before the checkpoint is on disk
+
+
+def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
+    """Load the checkpoint on every rank; return the number of epochs it has done."""
+    # map_location="cpu": rank 0 saved tensors that lived on its GPU, cuda:0; without it every
+    # rank would load them onto cuda:0. load_state_dict copies them to this rank's device.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if device.type == "cuda" and checkpoint["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], device)
+    return checkpoint["epochs_done"]
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train on this rank and return the model's final state dict. Needs the process group."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = local_device()
+    batch_size = args.batch_size // world_size  # this rank's share of every step
+
+    # One download per machine: local rank 0 fetches the files, the others wait, then all read.
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        prepare(args.dataset, root=args.data_root)
+    dist.barrier()
+    images, labels = load(args.dataset, root=args.data_root, download=False)
+    if args.smoke:
+        images, labels = images[:SMOKE_SAMPLES], labels[:SMOKE_SAMPLES]
+    # Each epoch: a permutation seeded with seed + epoch, of which rank r takes every
+    # world_size-th index from r on -- notebook 02's order[rank::world_size].
+    sampler = DistributedSampler(TensorDataset(images, labels), num_replicas=world_size,
+                                 rank=rank, shuffle=True, seed=args.seed)
+
+    torch.backends.cudnn.deterministic = True  # GPUs: the same sums in the same order each run
+    torch.manual_seed(args.seed)  # the same initial weights and dropout draws on every rank
+    model = Net().to(device)  # no wrapper: train_step averages the gradients itself
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
+    done = 0
+    if args.resume and Path(args.checkpoint).exists():
+        done = load_checkpoint(args.checkpoint, model, optimizer, device)
+        log(f"resumed from {args.checkpoint} after epoch {done}")
+    elif args.resume:
+        log(f"no checkpoint at {args.checkpoint} yet: starting from scratch")
+    if os.environ.get("GRADSYNC_FAIL_RANK") == str(rank):  # failure injection, for the tests
+        raise RuntimeError(f"rank {rank} fails on purpose (GRADSYNC_FAIL_RANK={rank})")
+
+    for epoch in range(done, args.epochs):
+        start = time.perf_counter()
+        sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+        shard = torch.tensor(list(sampler))  # this rank's indices, as many as on every other rank
+        model.train()
+        losses = []
+        for i in range(0, len(shard), batch_size):
+            idx = shard[i : i + batch_size]
+            x, y = images[idx].to(device), labels[idx].to(device)
+            losses.append(train_step(model, optimizer, x, y))
+        loss = torch.stack(losses).mean()  # this rank's mean loss over its steps
+        dist.all_reduce(loss)  # every rank receives the sum over all ranks ...
+        loss /= world_size  # ... and the mean, as for the gradients
+        log(f"epoch {epoch + 1}/{args.epochs}: loss {loss.item():.4f} (mean over {world_size} "
+            f"ranks), {time.perf_counter() - start:.1f} s")
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, device)
+
+    diff = max_diff_across_ranks(model)  # a collective: every rank calls it
+    log(f"parameters equal across {world_size} ranks: max |p - p on rank 0| = {diff}")
+    return model.state_dict()
+
+
+@record  # a failing rank writes its traceback where torchrun's error summary picks it up
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    init_distributed()
+    try:
+        train(args)
+    finally:
+        # What train() built (DDP holds the process group) can outlive it in a reference cycle
+        # (importing torchvision inside it makes one). Freed only at interpreter exit, after the
+        # group, it made gloo abort the finished process (SIGABRT) in ~15% of 4-rank runs here.
+        gc.collect()
+        dist.destroy_process_group()  # after an error too: close the sockets, free the GPU
+
+
 if __name__ == "__main__":
-    main(build=build, train_step=train_step)
+    main()

@@ -9,6 +9,8 @@ all runs add their numbers in the same order and can be compared for equality.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import importlib.util
 import os
 import re
@@ -198,6 +200,51 @@ def test_batch_size_must_split_evenly_over_the_ranks(train_ddp, monkeypatch, cap
     assert train_ddp.parse_args(["--batch-size", "255"]).batch_size == 255
 
 
+# -- the two scripts: each stands alone, and their diff is the lesson -------------------------
+
+#: At most this many lines may differ between the two scripts (``diff`` lines starting with < or
+#: >). The lesson is about 30: average_gradients and its call, the DDP import and wrapper, and
+#: the docstrings' lines that name the script. 40 leaves room for a comment, not for the
+#: plumbing (arguments, checkpoints, logging) to drift apart.
+MAX_SCRIPT_DIFF_LINES = 40
+#: Functions that have nothing to do with who averages the gradients: the same in both scripts.
+SHARED_FUNCTIONS = ("parse_args", "init_distributed", "log", "save_checkpoint",
+                    "load_checkpoint", "main")
+
+
+def _functions(path: Path) -> dict[str, str]:
+    source = path.read_text()
+    tree = ast.parse(source)
+    return {node.name: ast.get_source_segment(source, node) for node in tree.body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def test_each_script_stands_alone():
+    for script in ("train_manual.py", "train_ddp.py"):
+        tree = ast.parse((SCRIPTS / script).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"train_ddp", "train_manual"}, f"{script} imports the other script"
+
+
+def test_the_diff_between_the_scripts_is_the_lesson():
+    manual, ddp = (SCRIPTS / "train_manual.py").read_text(), (SCRIPTS / "train_ddp.py").read_text()
+    changed = [line for line in difflib.unified_diff(manual.splitlines(), ddp.splitlines(), n=0,
+                                                     lineterm="")
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len(changed) <= MAX_SCRIPT_DIFF_LINES, "\n".join(changed)
+    # what the diff must show: manual averaging on one side, DDP on the other
+    assert any("average_gradients(model)" in line for line in changed if line[0] == "-")
+    assert any("DDP(model" in line for line in changed if line[0] == "+")
+    manual_functions = _functions(SCRIPTS / "train_manual.py")
+    ddp_functions = _functions(SCRIPTS / "train_ddp.py")
+    for name in SHARED_FUNCTIONS:
+        assert manual_functions[name] == ddp_functions[name], (
+            f"{name} differs between the scripts: change both the same way")
+
+
 # -- shutting down ----------------------------------------------------------------------------
 
 
@@ -217,7 +264,7 @@ def _main_with_a_ddp_model_in_a_cycle(rank, world_size, script):
     spec.loader.exec_module(train_ddp)
     refs, alive_at_destroy = [], []
 
-    def train(args, build, train_step):
+    def train(args):
         model = DDP(Net())
         model(torch.zeros(2, 1, 28, 28)).sum().backward()
         frame = sys._getframe()  # the frame refers to itself: a cycle that keeps `model`
