@@ -3,13 +3,18 @@
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
 # make doctor - is this machine ready? versions, data, a 2-rank launch, expected notebook times
 # make bench - the benchmark scripts (ratios measured side by side in one run)
+# make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
+#   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
+#   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DATA_FLAGS ?=
+PY     ?= $(BIN)/python
+NB     ?=
 
-.PHONY: install lab test data doctor bench lint clean
+.PHONY: install lab test data doctor bench lint clean notebooks
 
 install: $(STAMP)
 
@@ -37,6 +42,10 @@ bench: data
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/epoch_time.py
 	$(BIN)/python benchmarks/averaging.py
+
+# Only the default PY needs the course venv and the data set up first.
+notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) scripts/notebooks.py $(NB)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

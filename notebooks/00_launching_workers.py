@@ -1,0 +1,225 @@
+# %% [markdown]
+# # 00 — Launching workers from a notebook
+#
+# **Question: how do I run one training function on several processes, from a notebook cell?**
+#
+# Every later notebook trains a model on *N ranks*: N processes, each with its own copy of the
+# model, talking through `torch.distributed`. On a cluster you start them with `torchrun`. In a
+# notebook we need a launcher that runs a function *defined in a cell* on N fresh processes,
+# shows what each one prints, and brings back what each one returns. This notebook shows why the
+# obvious tool fails, then the one this course uses: `gst.launch`.
+
+# %%
+import os
+
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: shorter runs, same checks
+WORLD_SIZE = 2  # number of ranks; try 4
+
+import pickle
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gradsync_tutorial as gst
+
+
+# %% [markdown]
+# ## Why `torch.multiprocessing.spawn` fails here
+#
+# `mp.spawn(fn, nprocs=2)` starts fresh Python interpreters and sends them `fn` with `pickle`.
+# Pickle stores a function **by name** (`__main__.hello`), and the child looks that name up
+# again. A function defined in a notebook cell lives only inside the kernel, so the child cannot
+# find it and dies:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def hello(rank, world_size):
+    print(f"hello from rank {rank}")
+
+
+try:
+    mp.spawn(hello, args=(2,), nprocs=2)
+    spawn_failed = False
+except Exception as e:  # the children died before running hello
+    spawn_failed = True
+    print(f"{type(e).__name__}: {e}")
+assert spawn_failed
+
+# %% [markdown]
+# The children's own error message goes to their stderr, which a notebook may not show. Here is
+# the cause, reproduced by unpickling `hello` in a fresh interpreter, as a spawned child does:
+
+# %%
+child = subprocess.run(
+    [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+    input=pickle.dumps(hello), capture_output=True,
+)
+cause = child.stderr.decode().strip().splitlines()[-1]
+print(cause)
+assert "Can't get attribute 'hello' on <module '__main__'" in cause
+
+
+# %% [markdown]
+# `fork` would avoid pickling (Accelerate's `notebook_launcher` forks), but forking a process
+# that has initialized CUDA is unsafe, Windows has no `fork`, macOS discourages it, and Python
+# 3.14 no longer uses it by default.
+#
+# ## `gst.launch`: fresh processes, the function sent by value
+#
+# `gst.launch(fn, world_size)` starts `world_size` fresh interpreters, sends them `fn` **by
+# value** (with `cloudpickle`, so cells, lambdas and closures work), and in each one:
+#
+# 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
+#    `MASTER_ADDR`, `MASTER_PORT`, ...),
+# 2. calls `dist.init_process_group()` (gloo on CPUs; nccl when there is a GPU per rank),
+# 3. runs `fn(rank, world_size)`, and sends back its return value.
+#
+# Everything a rank prints appears below the cell, tagged with its rank. Here is the
+# "hello world" of distributed training: every rank contributes a number, and **every rank
+# receives the sum**.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def hello_allreduce(rank, world_size):
+    t = torch.tensor([float(rank + 1)])  # rank 0 holds 1, rank 1 holds 2, ...
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # every rank receives the sum over all ranks
+    print(f"I am rank {rank} of {world_size}; the sum over all ranks is {t.item()}")
+    return t.item()
+
+
+results = gst.launch(hello_allreduce, world_size=WORLD_SIZE)
+
+# %% [markdown]
+# The lines come in whatever order the ranks print them. The return values come back as a list
+# ordered by rank: every rank holds the same sum, 1 + 2 + ... + N.
+
+# %%
+print(results)
+assert results == [WORLD_SIZE * (WORLD_SIZE + 1) / 2] * WORLD_SIZE
+
+# %% [markdown]
+# The same function on 4 ranks, no change. (On a 2-core laptop 4 ranks share 2 cores; that is
+# fine for learning, just slower.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+results4 = gst.launch(hello_allreduce, world_size=4)
+print(results4)
+assert results4 == [10.0] * 4
+
+
+# %% [markdown]
+# ## Each rank sees what `torchrun` would give it
+#
+# Code written in a cell moves to a `torchrun` script unchanged, because the worker's
+# environment is torchrun's:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def environment(rank, world_size):
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    return {k: os.environ[k] for k in keys} | {"backend": dist.get_backend()}
+
+
+envs = gst.launch(environment, world_size=WORLD_SIZE)
+for env in envs:
+    print(env)
+
+# %%
+assert [int(e["RANK"]) for e in envs] == list(range(WORLD_SIZE))
+assert all(e["WORLD_SIZE"] == str(WORLD_SIZE) for e in envs)
+assert len({e["MASTER_PORT"] for e in envs}) == 1  # one rendezvous point for all ranks
+print("backend:", envs[0]["backend"])
+
+
+# %% [markdown]
+# ## When a rank fails
+#
+# An exception in one rank stops every rank and is raised here, naming the rank, the
+# exception and the line that raised it, so you can fix it from the message alone.
+
+# %% tags=["raises-exception"]
+# NBVAL_RAISES_EXCEPTION
+def buggy(rank, world_size):
+    t = torch.ones(3)
+    if rank == 1:
+        t = t[:2]  # a bug that only rank 1 hits
+    return t.sum() / t[2]
+
+
+gst.launch(buggy, world_size=WORLD_SIZE)
+
+# %% [markdown]
+# The error is a `gst.RankFailedError`; you can catch it and look at it:
+
+# %%
+try:
+    gst.launch(buggy, world_size=WORLD_SIZE)
+except gst.RankFailedError as err:
+    print("failed rank:", err.rank, "| exception:", err.exc_type)
+    assert err.rank == 1 and err.exc_type == "IndexError"
+
+
+# %% [markdown]
+# A **hang** is the other classic failure: one rank waits in a collective that another rank
+# never calls. `launch` has a wall-clock `timeout` (default 300 s); past it, every rank is
+# stopped and the error names the ranks that were stuck:
+
+# %%
+def skips_a_collective(rank, world_size):
+    if rank == 0:  # the bug: only rank 0 calls all_reduce, so it waits forever
+        dist.all_reduce(torch.ones(1))
+
+
+try:
+    gst.launch(skips_a_collective, world_size=WORLD_SIZE, timeout=5)
+except gst.LaunchTimeoutError as err:
+    print(str(err)[:120], "...")
+    assert err.unfinished == [0]
+
+
+# %% [markdown]
+# ## Copy this into your code
+#
+# In a notebook:
+#
+# ```python
+# import gradsync_tutorial as gst
+#
+# def train(rank, world_size):
+#     ...  # the process group is ready: dist.all_reduce etc. work here
+#     return result
+#
+# results = gst.launch(train, world_size=2)   # one result per rank
+# ```
+#
+# The body of `train` is what goes into a script for `torchrun` (notebook 06 shows how).
+
+# %% [markdown]
+# ## Exercise
+#
+# Write `gather_ranks(rank, world_size)` so that **every rank returns the list
+# `[0, 1, ..., world_size - 1]`**, learned from the other ranks: each rank knows only its own
+# number. `dist.all_gather(tensor_list, tensor)` fills `tensor_list[i]` with rank `i`'s
+# `tensor`, on every rank; `tensor_list` must hold one tensor per rank, each of the same shape
+# and dtype as `tensor`.
+#
+# Replace the `raise` line with your code and run the cell, then run the check below it: it runs
+# your function on 2 ranks and prints "✓ correct", or fails with what is wrong. Until you write
+# it, it only says "not attempted yet", as in the notebook you downloaded. Stuck?
+# `%load solutions/00_gather_ranks.py` in a new cell loads a solution.
+
+# %%
+def gather_ranks(rank, world_size):
+    # your code here: one dist.all_gather, then return a list of ints
+    raise NotImplementedError("write gather_ranks")
+
+
+# %%
+gst.exercises.check_gather_ranks(gather_ranks)
+
+# %% [markdown]
+# Once it passes, run it on 4 ranks: `gst.exercises.check_gather_ranks(gather_ranks, world_size=4)`.

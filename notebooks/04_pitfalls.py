@@ -1,0 +1,925 @@
+# %% [markdown]
+# # 04 — What goes wrong: a gallery of gradient-averaging bugs
+#
+# **Question: which bugs in distributed training code run without an error, and how do I catch
+# each one?**
+#
+# Code copied from a tutorial or an answer can run, print a falling loss, and still be wrong or
+# wasteful. This notebook reproduces eleven such bugs, each on a few lines launched from a cell.
+# For each one it **measures the symptom**, shows a **check** you can drop into your own code, and
+# **proves the fix** with a cell that would fail if the fix did not work.
+#
+# | # | Bug | What you see |
+# |---|-----|--------------|
+# | 1 | all_reduce without dividing | the learning rate is N times larger |
+# | 2 | ranks start from different weights | the replicas never agree |
+# | 3 | every rank reads all the data | N ranks do the work of one |
+# | 4 | `DistributedSampler` without `set_epoch` | every epoch has the same order |
+# | 5 | unequal local batch sizes | mean of means ≠ global mean |
+# | 6 | ranks run different numbers of steps | a hang |
+# | 7 | a rank skips a collective | a hang |
+# | 8 | a parameter without a gradient | a crash (manual), an error (DDP) |
+# | 9 | BatchNorm statistics | the buffers drift apart |
+# | 10 | gradient accumulation | N times the communication |
+# | 11 | logging a rank's own loss | the curve of 1/N of the data |
+
+# %%
+import os
+
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
+
+SEED = 1234
+GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
+LR, MOMENTUM = 0.01, 0.5
+EPOCHS = 1
+N_TRAIN = 2048 if SMOKE_TEST else 16384  # every bug shows within a few steps
+HANG_TIMEOUT = 5  # seconds; each reproduction takes well under one, so longer means a hang
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+import gradsync_tutorial as gst
+
+assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SIZE samples"
+
+
+# %% [markdown]
+# ## The loop under test
+#
+# Notebook 02's `average_gradients` and its training loop, with a few switches that plant a bug
+# or apply a fix. Each switch changes one or two lines, marked with the number of its pitfall.
+# Every call to `train` also records, after each step, the largest difference between the
+# ranks' parameters (`gst.checks.max_diff_across_ranks`), and `log(loss)` decides what a step
+# logs: by default, this rank's own loss, as in notebook 02.
+
+# %%
+def average_gradients(model):  # notebook 02
+    world_size = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        param.grad /= world_size
+
+
+def local_loss(loss):
+    return loss.item()  # this rank's loss, on its own samples
+
+
+def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sharding="slice",
+          check_steps=False, log=local_loss):
+    torch.manual_seed(SEED + rank if seed_per_rank else SEED)  # 2: SEED + rank is the bug
+    device = gst.local_device()
+    model = gst.model.Net().to(device)
+    if broadcast:  # 2, the fix: every rank takes rank 0's weights
+        for param in model.parameters():
+            dist.broadcast(param.data, src=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    images, labels = images[:n], labels[:n]
+    batch_size = GLOBAL_BATCH // world_size
+    logged, rank_diff = [], []
+    for epoch in range(EPOCHS):
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED + epoch))
+        shard = order[rank::world_size]  # 6: one sample more on some ranks if n % world_size
+        if sharding != "slice":  # 6, the fix: DistributedSampler pads or cuts to equal shards
+            sampler = DistributedSampler(range(n), seed=SEED, drop_last=sharding == "drop_last")
+            sampler.set_epoch(epoch)
+            shard = torch.tensor(list(sampler))
+        batches = shard.split(batch_size)
+        if check_steps:  # 6, the check: do all ranks take the same number of steps?
+            gst.detect.assert_same_across_ranks(len(batches), "batches per epoch")
+        model.train()
+        for idx in batches:
+            x, y = images[idx].to(device), labels[idx].to(device)
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(x), y)
+            loss.backward()
+            average_gradients(model)
+            optimizer.step()
+            logged.append(log(loss))  # 11: what gets logged
+            rank_diff.append(gst.checks.max_diff_across_ranks(model))
+    return {"logged": logged, "rank_diff": rank_diff, "state": model.state_dict()}
+
+
+# %% [markdown]
+# The correct run, for reference: the replicas agree after every step.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+correct = gst.launch(train, world_size=WORLD_SIZE)
+
+# %%
+steps = len(correct[0]["rank_diff"])
+print(f"{steps} steps; largest difference between ranks: {max(correct[0]['rank_diff'])}")
+assert steps > 0 and all(d == 0.0 for r in correct for d in r["rank_diff"])
+
+
+# %% [markdown]
+# ## 1. Forgetting to divide
+#
+# **Bug**: `dist.all_reduce(param.grad)` without `param.grad /= world_size`, the popular answer
+# to the tutorial's code. **Symptom**: every rank holds the *sum* of the gradients, N times their
+# mean: plain SGD then runs with N times the learning rate, and Adam almost hides it. Notebook 02
+# proves both with full training runs; here is the gradient itself, after one backward pass:
+
+# %%
+def one_gradient(rank, world_size, divide):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = gst.model.Net().eval().to(device)  # eval: dropout off, so every number is reproducible
+    images, labels = gst.data.load(train=True)
+    idx = torch.arange(GLOBAL_BATCH)[rank::world_size]
+    F.nll_loss(model(images[idx].to(device)), labels[idx].to(device)).backward()
+    for param in model.parameters():
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+        if divide:
+            param.grad /= world_size
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+summed = gst.launch(one_gradient, WORLD_SIZE, args=(False,))[0]
+mean = gst.launch(one_gradient, WORLD_SIZE, args=(True,))[0]
+
+# %%
+ratio = (summed.norm() / mean.norm()).item()
+print(f"|gradient without dividing| / |mean gradient| = {ratio:.4f} (world size {WORLD_SIZE})")
+assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
+
+# %% [markdown]
+# **Detect**: compare one step with a single-process step on the same global batch, as notebook
+# 02 does. **Fix**: divide by `dist.get_world_size()`, or use DDP, which averages for you
+# (notebook 03).
+#
+# ## 2. Ranks start from different weights
+#
+# **Bug**: each rank seeds its generator differently (`torch.manual_seed(SEED + rank)`, often
+# written to vary dropout or augmentation across ranks), and nothing copies rank 0's weights to
+# the others. Manual averaging then applies the same averaged update to N different models.
+# The fix, run alongside: broadcast rank 0's parameters before training.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+seeded_per_rank = gst.launch(partial(train, seed_per_rank=True), WORLD_SIZE)
+broadcast = gst.launch(partial(train, seed_per_rank=True, broadcast=True), WORLD_SIZE)
+
+# %% [markdown]
+# **Symptom**: it trains without a complaint, but the replicas never agree. Since every rank
+# applies the same update, the difference between two replicas is exactly the difference they
+# started with, step after step:
+
+# %%
+gap = seeded_per_rank[0]["rank_diff"]
+print(f"max difference between ranks: {gap[0]:.4f} after step 1, {gap[-1]:.4f} after the last")
+assert gap[0] > 0.01  # far apart...
+assert abs(gap[-1] - gap[0]) <= 1e-5  # ...and they stay exactly as far apart
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig = gst.plots.plot_loss_curves(
+    [gap, broadcast[0]["rank_diff"]], labels=["seed per rank", "seed per rank + broadcast"],
+    title="Replicas seeded differently never agree", ylabel="max |rank - rank 0|",
+)
+
+
+# %% [markdown]
+# **Detect**: `gst.checks.assert_equal_across_ranks(model)` (notebook 02) compares every rank's
+# tensors with rank 0's and names the first one that differs. Call it once after building the
+# model, and after a step now and then; it raises on every rank, so no rank is left waiting.
+
+# %%
+def first_weights(rank, world_size, fix=None):
+    torch.manual_seed(SEED + rank)  # the bug
+    model = gst.model.Net().to(gst.local_device())
+    if fix == "broadcast":
+        for param in model.parameters():
+            dist.broadcast(param.data, src=0)  # every rank receives rank 0's values
+    if fix == "ddp":
+        model = DDP(model).module  # DDP broadcasts rank 0's parameters when it is built
+    gst.checks.assert_equal_across_ranks(model)  # the check: raises on every rank if they differ
+    return fix
+
+
+# %%
+try:
+    gst.launch(first_weights, WORLD_SIZE)
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0])
+    assert "replicas differ: 'conv1.weight' on rank" in str(err)
+
+# %% [markdown]
+# **Fix**: broadcast rank 0's parameters before training, or wrap the model in DDP, which does the
+# same when it is built (notebook 03). Both pass the check, and with the broadcast the training
+# run above had identical replicas after every step:
+
+# %%
+fixed = [gst.launch(first_weights, WORLD_SIZE, args=(fix,)) for fix in ("broadcast", "ddp")]
+assert fixed == [["broadcast"] * WORLD_SIZE, ["ddp"] * WORLD_SIZE]
+assert all(d == 0.0 for r in broadcast for d in r["rank_diff"])
+print("both fixes pass the check; with the broadcast, every step: max difference between ranks = 0")
+
+
+# %% [markdown]
+# ## 3. Every rank reads all the data
+#
+# **Bug**: a `DataLoader(dataset, shuffle=True)` with no `DistributedSampler`. With pitfall 2
+# fixed by a common seed, every rank even shuffles **the same way**: each step's global batch is
+# N copies of the same samples.
+
+# %%
+def one_epoch(rank, world_size, use_sampler):
+    torch.manual_seed(SEED)  # the same seed on every rank (pitfall 2)
+    dataset = range(N_TRAIN)  # a stand-in data set: each sample is its own index
+    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED) if use_sampler else None
+    loader = DataLoader(dataset, GLOBAL_BATCH // world_size, shuffle=not use_sampler,
+                        sampler=sampler)
+    return [batch.tolist() for batch in loader]  # the indices of every batch this rank reads
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+unsharded = gst.launch(one_epoch, WORLD_SIZE, args=(False,))
+sharded = gst.launch(one_epoch, WORLD_SIZE, args=(True,))
+
+
+# %% [markdown]
+# **Symptom**: `gst.detect.sample_overlap` takes each rank's indices and counts the samples that
+# two or more ranks read. Without the sampler it is all of them, and each rank takes N times as
+# many steps per epoch as it should: N ranks do the work of one.
+
+# %%
+def flat(batches):
+    return [i for batch in batches for i in batch]
+
+bug = gst.detect.sample_overlap([flat(b) for b in unsharded], dataset_size=N_TRAIN)
+fix = gst.detect.sample_overlap([flat(b) for b in sharded], dataset_size=N_TRAIN)
+print("no sampler:         ", bug)
+print("DistributedSampler: ", fix)
+first_step = {i for batches in unsharded for i in batches[0]}
+print(f"distinct samples in the first global batch: {len(first_step)} of {GLOBAL_BATCH}")
+print(f"steps per epoch: {len(unsharded[0])} without the sampler, {len(sharded[0])} with it")
+assert bug.shared == bug.unique == N_TRAIN  # every sample, on every rank
+assert len(first_step) == GLOBAL_BATCH // WORLD_SIZE
+assert len(unsharded[0]) == WORLD_SIZE * len(sharded[0])
+assert fix.disjoint and fix.coverage == 1.0
+
+
+# %% [markdown]
+# **Detect, inside your code**: `gst.detect.assert_disjoint_shards(indices)` gathers every rank's
+# indices (one `all_gather_object`) and raises on every rank if the shards overlap:
+
+# %%
+def check_shards(rank, world_size, use_sampler):
+    indices = flat(one_epoch(rank, world_size, use_sampler))
+    gst.detect.assert_disjoint_shards(indices, dataset_size=N_TRAIN)  # the check
+
+
+gst.launch(check_shards, WORLD_SIZE, args=(True,))  # with the sampler: passes
+try:
+    gst.launch(check_shards, WORLD_SIZE, args=(False,))
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0])
+    assert "the ranks' shards overlap" in str(err)
+
+
+# %% [markdown]
+# **Fix**: a `DistributedSampler` (shown above), or notebook 02's `order[rank::world_size]`.
+#
+# ## 4. `DistributedSampler` without `set_epoch`
+#
+# **Bug**: the sampler's shuffle is seeded with `seed + epoch`, and only `set_epoch(epoch)`
+# changes its epoch. Forget it and every epoch repeats the first epoch's order.
+
+# %%
+def epoch_orders(rank, world_size, set_epoch, epochs=3):
+    sampler = DistributedSampler(range(N_TRAIN), shuffle=True, seed=SEED)  # rank: from dist
+    orders = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)  # the fix
+        orders.append(list(sampler))
+    return orders
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+same = gst.launch(epoch_orders, WORLD_SIZE, args=(False,))
+reshuffled = gst.launch(epoch_orders, WORLD_SIZE, args=(True,))
+
+# %% [markdown]
+# **Symptom**: the orders are identical, epoch after epoch, on every rank. With `set_epoch` they
+# change every epoch, and within each epoch the ranks' shards stay disjoint.
+
+# %%
+for rank in range(WORLD_SIZE):
+    assert same[rank][0] == same[rank][1] == same[rank][2]  # the bug: one order, repeated
+    assert reshuffled[rank][0] != reshuffled[rank][1] != reshuffled[rank][2]  # the fix
+for epoch in range(3):
+    assert gst.detect.sample_overlap([r[epoch] for r in reshuffled]).disjoint
+print("rank 0's first indices in epochs 0, 1, 2")
+print("  without set_epoch:", *[order[:4] for order in same[0]])
+print("  with set_epoch:   ", *[order[:4] for order in reshuffled[0]])
+
+
+# %% [markdown]
+# **Detect**: compare two epochs' indices, as above, in a test of your data pipeline.
+# **Fix**: call `sampler.set_epoch(epoch)` at the start of every epoch.
+#
+# ## 5. Unequal local batch sizes
+#
+# **Bug**: the ranks hold different numbers of samples in a step (an uneven last batch; ranks
+# that drop filtered samples; losses averaged over a varying number of tokens), each rank
+# takes the **mean** over its own samples, and the ranks average those means. The mean of the
+# per-rank means is not the mean over all samples: rank `r`'s samples get weight
+# $1 / (N \cdot n_r)$ instead of $1 / \sum n$.
+#
+# Here the last global batch of an epoch: every rank gets its full share but the last, which
+# gets 8 samples. The fix reduces the **sum** of the losses and the **count** together, and
+# divides once. For the gradient, each rank differentiates its loss sum divided by the global
+# count, and the ranks **sum** (not average) the gradients.
+
+# %%
+def uneven_step(rank, world_size, weighted):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = gst.model.Net().eval().to(device)  # eval: dropout off, for exact comparisons
+    images, labels = gst.data.load(train=True)
+    per_rank = GLOBAL_BATCH // world_size
+    last_batch = torch.arange(per_rank * (world_size - 1) + 8)  # the last rank gets 8 samples
+    idx = last_batch[rank * per_rank : (rank + 1) * per_rank]
+    x, y = images[idx].to(device), labels[idx].to(device)
+    loss_sum = F.nll_loss(model(x), y, reduction="sum")
+    count = torch.tensor(float(len(idx)), device=device)
+    if weighted:  # the fix
+        totals = torch.stack([loss_sum.detach(), count])
+        dist.all_reduce(totals)  # [sum of all losses, number of samples]
+        (loss_sum / totals[1]).backward()  # this rank's part of the global mean
+        for param in model.parameters():
+            dist.all_reduce(param.grad)  # sum over ranks = gradient of the global mean
+        logged = totals[0] / totals[1]
+    else:  # the bug: a mean per rank, then the mean of the means
+        loss = loss_sum / count
+        loss.backward()
+        average_gradients(model)
+        logged = loss.detach().clone()
+        dist.all_reduce(logged)
+        logged /= world_size
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return {"loss": logged.item(), "grad": grad, "count": len(idx)}
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+mean_of_means = gst.launch(uneven_step, WORLD_SIZE, args=(False,))
+weighted = gst.launch(uneven_step, WORLD_SIZE, args=(True,))
+
+# %% [markdown]
+# The same batch in this process, no `torch.distributed`: the true global mean and its gradient.
+
+# %%
+images, labels = gst.data.load(train=True)
+counts = [r["count"] for r in weighted]
+last_batch = torch.arange(sum(counts))
+torch.manual_seed(SEED)
+single = gst.model.Net().eval()
+true_loss = F.nll_loss(single(images[last_batch]), labels[last_batch])
+true_loss.backward()
+true_grad = torch.cat([p.grad.flatten() for p in single.parameters()])
+
+
+# %%
+def errors(result):  # (loss error, largest gradient error) against the single process
+    loss_error = abs(result["loss"] - true_loss.item())
+    return loss_error, (result["grad"] - true_grad).abs().max().item()
+
+print(f"samples per rank: {counts}; global mean loss {true_loss.item():.5f}")
+for name, result in [("mean of means", mean_of_means[0]), ("weighted", weighted[0])]:
+    loss_error, grad_error = errors(result)
+    print(f"  {name:13}: loss {result['loss']:.5f} (off by {loss_error:.1e}), "
+          f"gradient off by up to {grad_error:.1e}")
+assert errors(mean_of_means[0])[0] > 1e-3 and errors(mean_of_means[0])[1] > 1e-4  # the bug
+assert errors(weighted[0])[0] <= 1e-5 and errors(weighted[0])[1] <= 1e-6  # the fix
+
+# %% [markdown]
+# **Detect**: compare the distributed loss with a single-process computation on the same samples,
+# as here. Where your code assumes equal batches, guard it with
+# `gst.detect.assert_same_across_ranks(len(idx), "batch size")` (pitfall 6 shows this check at
+# work).
+#
+# ## 6. Ranks run different numbers of steps
+#
+# **Bug**: notebook 02's `order[rank::world_size]` on a data set whose size is not a multiple of
+# the number of ranks. Take one sample more than 4 global batches: rank 0's shard gets the extra
+# sample, hence a fifth, one-sample batch that no other rank has.
+
+# %%
+N_UNEVEN = 4 * GLOBAL_BATCH + 1
+order = torch.randperm(N_UNEVEN, generator=torch.Generator().manual_seed(SEED))
+shards = [order[r::WORLD_SIZE] for r in range(WORLD_SIZE)]
+batches_per_rank = [len(shard.split(GLOBAL_BATCH // WORLD_SIZE)) for shard in shards]
+print("batches per rank:", batches_per_rank)
+assert batches_per_rank == [5] + [4] * (WORLD_SIZE - 1)
+
+# %% [markdown]
+# **Symptom**: in its fifth step, rank 0 calls `all_reduce` and waits for partners that have
+# already finished: the job hangs. `gst.launch(..., timeout=)` turns the hang into an error that
+# names the ranks that did not finish. (Under `torchrun` the process group's own timeout ends
+# the hang, by default after 10 minutes with NCCL and 30 with gloo.)
+
+# %%
+try:
+    gst.launch(partial(train, n=N_UNEVEN), WORLD_SIZE, timeout=HANG_TIMEOUT)
+except gst.LaunchTimeoutError as err:
+    print(str(err)[:130], "...")
+    assert err.unfinished == [0]
+
+# %% [markdown]
+# **Detect, before it hangs**: `gst.detect.assert_same_across_ranks(len(batches), "batches per
+# epoch")` gathers the value from every rank and raises on every rank if they differ: an error in
+# a second, naming every rank's count, instead of a hang (the `check_steps` switch of `train`).
+
+# %%
+try:
+    gst.launch(partial(train, n=N_UNEVEN, check_steps=True), WORLD_SIZE)
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0][:160], "...")
+    assert "the ranks disagree on batches per epoch: rank 0: 5, rank 1: 4" in str(err)
+
+
+# %% [markdown]
+# **Fix**: give every rank equally long shards. `DistributedSampler(drop_last=True)` cuts the
+# data to a multiple of the number of ranks; the default (`drop_last=False`) pads it by repeating
+# a few samples. (Dropping each rank's last *partial batch* is not enough: shards of 256 and 255
+# samples would still give 2 and 1 full batches of 128.) With DDP you may instead keep uneven
+# shards and wrap the loop in `Join`: a rank that runs out of batches keeps answering the others'
+# all-reduces (with zero gradients) until all are done, and at the end DDP copies the parameters
+# of the last rank to finish to every rank. (The optimizer state of a rank that stopped early
+# still misses its last steps.)
+
+# %%
+def train_join(rank, world_size, n=N_UNEVEN):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = DDP(gst.model.Net().to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED))
+    batches = order[rank::world_size].split(GLOBAL_BATCH // world_size)  # still uneven
+    with Join([model]):  # the fix: finished ranks shadow the others' all-reduces
+        for idx in batches:
+            x, y = images[idx].to(device), labels[idx].to(device)
+            optimizer.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            optimizer.step()
+    return {"steps": len(batches), "rank_diff": gst.checks.max_diff_across_ranks(model.module)}
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+padded = gst.launch(partial(train, n=N_UNEVEN, sharding="pad", check_steps=True), WORLD_SIZE)
+cut = gst.launch(partial(train, n=N_UNEVEN, sharding="drop_last", check_steps=True), WORLD_SIZE)
+joined = gst.launch(train_join, WORLD_SIZE)
+
+# %%
+for name, result in [("padded", padded), ("drop_last", cut)]:
+    print(f"{name:9}: {len(result[0]['logged'])} steps on every rank, replicas equal")
+    assert all(len(r["logged"]) == len(result[0]["logged"]) for r in result)
+    assert all(r["rank_diff"][-1] == 0.0 for r in result)
+print(f"Join     : steps per rank {[r['steps'] for r in joined]}, replicas equal at the end")
+assert [r["steps"] for r in joined] == batches_per_rank
+assert all(r["rank_diff"] == 0.0 for r in joined)
+
+
+# %% [markdown]
+# ## 7. A rank skips a collective
+#
+# **Bug**: a collective inside a branch that not every rank takes, typically "only rank 0 logs".
+# Every rank must make the same collective calls, in the same order.
+
+# %%
+def log_final_loss(rank, world_size, every_rank_reduces):
+    loss = torch.tensor([float(rank + 1)], device=gst.local_device())  # this rank's last loss
+    if rank == 0 or every_rank_reduces:
+        dist.all_reduce(loss)  # the bug: under `if rank == 0`, rank 0 waits here forever
+    if rank == 0:
+        print(f"mean loss over the ranks: {loss.item() / world_size}")
+    return loss.item() / world_size
+
+
+# %% [markdown]
+# **Symptom and detection**: the same hang, the same error, naming rank 0.
+
+# %%
+try:
+    gst.launch(log_final_loss, WORLD_SIZE, args=(False,), timeout=HANG_TIMEOUT)
+except gst.LaunchTimeoutError as err:
+    print(str(err)[:130], "...")
+    assert err.unfinished == [0]
+
+
+# %% [markdown]
+# Inside a training loop the same bug fails differently: rank 0's extra `all_reduce` pairs with
+# the other ranks' *next* call, the gradient of the first parameter. Gloo then aborts ("Received
+# data size doesn't match expected size"); when the sizes happen to match, the ranks silently
+# exchange the wrong tensors. `gst.detect.count_collectives()` counts the calls each rank makes
+# through `dist.<name>`.
+#
+# **Fix**: call the collective on every rank, and branch only around the printing. Counted, every
+# rank now makes the same calls:
+
+# %%
+def log_final_loss_counted(rank, world_size):
+    with gst.detect.count_collectives() as calls:
+        mean_loss = log_final_loss(rank, world_size, every_rank_reduces=True)
+    return mean_loss, calls.total
+
+
+# %%
+results = gst.launch(log_final_loss_counted, WORLD_SIZE)
+print("(mean loss, collective calls) per rank:", results)
+assert results == [((WORLD_SIZE + 1) / 2, 1)] * WORLD_SIZE
+
+
+# %% [markdown]
+# ## 8. A parameter without a gradient
+#
+# **Bug**: a module that does not take part in the loss: a head used only in another task, a
+# layer left over from an experiment. Its `.grad` stays `None` after `backward()`.
+
+# %%
+class WithUnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = gst.model.Net()
+        self.aux_head = nn.Linear(10, 10)  # used only if use_aux: else its .grad stays None
+
+    def forward(self, x, use_aux=False):
+        out = self.net(x)
+        return out + self.aux_head(out) if use_aux else out
+
+
+def tutorial_average_gradients(model):  # the tutorial's original, with no check for None
+    size = float(dist.get_world_size())
+    for param in model.parameters():
+        dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
+        param.grad.data /= size
+
+
+def train_unused(rank, world_size, mode, aux_ranks=(), steps=2):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = WithUnusedHead().to(device)
+    if mode.startswith("ddp"):
+        model = DDP(model, find_unused_parameters=mode == "ddp, find_unused_parameters")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    g = torch.Generator().manual_seed(rank)  # random images: the data do not matter here
+    for _ in range(steps):
+        x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, generator=g).to(device)
+        y = torch.randint(10, (GLOBAL_BATCH // world_size,), generator=g).to(device)
+        optimizer.zero_grad()
+        F.nll_loss(model(x, use_aux=rank in aux_ranks), y).backward()
+        if mode == "tutorial":
+            tutorial_average_gradients(model)
+        elif mode == "skip None":
+            average_gradients(model)  # notebook 02's version
+        elif mode == "zeros":  # a zero gradient where there is none: every rank, every call
+            for param in model.parameters():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            average_gradients(model)
+        optimizer.step()
+    plain = model.module if mode.startswith("ddp") else model
+    no_grad = [name for name, param in plain.named_parameters() if param.grad is None]
+    return {"rank_diff": gst.checks.max_diff_across_ranks(plain), "no_grad": no_grad}
+
+
+# %% [markdown]
+# **Symptom, manual averaging**: a crash on the first `None`.
+
+# %% tags=["raises-exception"]
+# NBVAL_RAISES_EXCEPTION
+gst.launch(train_unused, WORLD_SIZE, args=("tutorial",))
+
+# %% [markdown]
+# **Symptom, DDP**: after the first backward pass DDP still waits for the gradient of
+# `aux_head`; the second iteration fails. The message names the cause, the fix, and the indices
+# of the parameters that got no gradient (here 8 and 9, `aux_head`'s weight and bias):
+
+# %%
+try:
+    gst.launch(train_unused, WORLD_SIZE, args=("ddp",))
+except gst.RankFailedError as err:
+    message = str(err)
+    print(message[: message.index("If you already")])
+    print(next(line for line in message.splitlines() if line.startswith("Parameter indices")))
+    assert "Expected to have finished reduction in the prior iteration" in message
+    assert "find_unused_parameters=True" in message and "did not receive grad" in message
+
+# %% [markdown]
+# **Detect**: the errors above; or list the parameters whose `.grad` is still `None` after a
+# `backward()`, as `train_unused` returns them below.
+#
+# **Fix**: remove the unused module, or skip `None` gradients in manual code (notebook 02's
+# `average_gradients`), or pass `find_unused_parameters=True` to DDP (it then searches the
+# autograd graph in every iteration, which costs time). Both train, and the replicas agree:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
+find_unused = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters",))
+
+# %%
+print("parameters without a gradient:", skip_none[0]["no_grad"])
+print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),",
+      find_unused[0]["rank_diff"], "(DDP)")
+assert all(r["no_grad"] == ["aux_head.weight", "aux_head.bias"] for r in skip_none + find_unused)
+assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
+
+# %% [markdown]
+# Skipping `None` is right only if **every** rank skips the same parameters. If a branch depends
+# on the data, one rank may have a gradient where another has `None`; the ranks then make
+# different numbers of `all_reduce` calls (pitfall 7). For that case, replace a missing
+# gradient with zeros so that every rank makes every call; DDP with
+# `find_unused_parameters=True` handles it by itself. Here only rank 0 uses `aux_head`:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+only_rank_0 = (0,)  # the ranks that use aux_head
+zeros = gst.launch(train_unused, WORLD_SIZE, args=("zeros", only_rank_0))
+ddp_rank_0 = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters", only_rank_0))
+
+# %%
+print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
+      ddp_rank_0[0]["rank_diff"], "(DDP)")
+assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
+
+
+# %% [markdown]
+#
+# ## 9. BatchNorm statistics drift apart
+#
+# **Bug**: averaging gradients keeps the *parameters* equal, but `BatchNorm`'s running mean and
+# variance are *buffers*, updated in the forward pass from each rank's own batch. Nothing
+# averages them, so each rank evaluates with different statistics.
+
+# %%
+def train_bn(rank, world_size, mode, steps=3):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 24 * 24, 10)).to(device)
+    if mode == "SyncBatchNorm":  # batch statistics over the global batch; GPU only
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if mode in ("DDP", "SyncBatchNorm"):
+        model = DDP(model)  # broadcast_buffers=True, the default
+    plain = model.module if isinstance(model, DDP) else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    for step in range(steps):
+        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
+        if mode == "manual":
+            average_gradients(model)
+        optimizer.step()
+    diffs = {"parameters": gst.checks.max_diff_across_ranks(plain),
+             "buffers after training": gst.checks.max_diff_across_ranks(plain.named_buffers())}
+    model.eval()
+    with torch.no_grad():
+        model(images[:8].to(device))  # evaluation, through the DDP wrapper if there is one
+    diffs["buffers at evaluation"] = gst.checks.max_diff_across_ranks(plain.named_buffers())
+    return diffs
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+bn_manual = gst.launch(train_bn, WORLD_SIZE, args=("manual",))[0]
+bn_ddp = gst.launch(train_bn, WORLD_SIZE, args=("DDP",))[0]
+
+# %% [markdown]
+# **Symptom and detection**: the parameters agree, the running statistics do not.
+# `gst.checks.max_diff_across_ranks(model, buffers=True)` (or `assert_equal_across_ranks`)
+# compares the buffers too.
+
+# %%
+print("max difference between ranks:")
+for name, diffs in [("manual averaging", bn_manual), ("DDP", bn_ddp)]:
+    print(f"  {name:16}", ", ".join(f"{key} {value:.2g}" for key, value in diffs.items()))
+assert bn_manual["parameters"] == 0.0 and bn_manual["buffers at evaluation"] > 1e-4
+assert bn_ddp["parameters"] == 0.0 and bn_ddp["buffers at evaluation"] == 0.0
+assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass updated its own
+
+
+# %% [markdown]
+# **Fix**: DDP's `broadcast_buffers=True` (the default; recent versions call it
+# `forward_sync_buffers`) copies rank 0's buffers to every rank at the start of each forward
+# pass, evaluation included. So evaluate through the DDP wrapper, not `model.module`: between two
+# forward passes each rank's buffers hold its own last update, and the statistics all come from
+# rank 0's batches. `nn.SyncBatchNorm` goes further: in training it computes the batch
+# statistics over the **global** batch, as one process would, so the running statistics agree
+# right after training. It runs on CUDA (and XPU, HPU and other accelerator backends), not on
+# the CPU, where it raises:
+
+# %%
+def sync_batchnorm_on_cpu(rank, world_size):
+    try:
+        nn.SyncBatchNorm(8)(torch.randn(4, 8, 3, 3))  # training mode, a CPU tensor
+    except ValueError as e:
+        return str(e)
+
+
+message = gst.launch(sync_batchnorm_on_cpu, WORLD_SIZE)[0]
+print("on the CPU:", message)
+assert message.startswith("SyncBatchNorm expected input tensor to be on GPU")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE:  # a GPU per rank
+    bn_sync = gst.launch(train_bn, WORLD_SIZE, args=("SyncBatchNorm",))[0]
+    print("SyncBatchNorm, max difference between ranks:", bn_sync)
+    assert bn_sync["parameters"] == 0.0 and bn_sync["buffers after training"] <= 1e-6
+else:
+    print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
+
+# %% [markdown]
+# ## 10. Gradient accumulation: all-reducing every micro-batch
+#
+# To train with a global batch larger than fits in memory, each rank runs several micro-batches
+# and steps once. **Bug**: averaging after every micro-batch's `backward()` (or letting DDP do it,
+# which it does by default). The result is right, since averaging is linear, but it makes K
+# times the communication. **Fix**: average once, after the last micro-batch; with DDP, run the
+# other micro-batches inside `model.no_sync()`.
+
+# %%
+MICRO_BATCHES = 4
+
+def train_accumulate(rank, world_size, use_ddp, sync_every_micro_batch, steps=3):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = gst.model.Net().eval().to(device)  # eval: no dropout, for exact comparisons
+    with gst.detect.count_collectives() as calls:
+        if use_ddp:
+            model = calls.watch(DDP(model))  # also count DDP's bucket all-reduces
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        images, labels = gst.data.load(train=True)
+        for step in range(steps):
+            batch = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+            optimizer.zero_grad()
+            for k, idx in enumerate(batch.chunk(MICRO_BATCHES)):
+                last = k == MICRO_BATCHES - 1
+                x, y = images[idx].to(device), labels[idx].to(device)
+                if use_ddp and not (last or sync_every_micro_batch):
+                    with model.no_sync():  # the fix, DDP: no all-reduce in this backward
+                        (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
+                else:
+                    (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
+                if not use_ddp and (last or sync_every_micro_batch):  # the fix: last only
+                    average_gradients(model)
+            optimizer.step()
+    plain = model.module if use_ddp else model
+    return {"state": plain.state_dict(), "calls": dict(calls.calls)}
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+accumulated = {
+    (use_ddp, every): gst.launch(train_accumulate, WORLD_SIZE, args=(use_ddp, every))[0]
+    for use_ddp in (False, True) for every in (True, False)
+}
+
+# %%
+print(f"{'':6}  {'sync':17}  collective calls in 3 steps")
+for (use_ddp, every), r in accumulated.items():
+    sync = "every micro-batch" if every else "last only"
+    print(f"{'DDP' if use_ddp else 'manual':6}  {sync:17}  {r['calls']}")
+
+reference = accumulated[(False, False)]["state"]
+for key, r in accumulated.items():
+    assert gst.checks.compare_state_dicts(r["state"], reference, show=False) <= 1e-6, key
+manual_every, manual_last = (accumulated[(False, e)]["calls"]["all_reduce"] for e in (True, False))
+ddp_every, ddp_last = (accumulated[(True, e)]["calls"][gst.detect.DDP_KEY] for e in (True, False))
+assert manual_every == MICRO_BATCHES * manual_last and ddp_every == MICRO_BATCHES * ddp_last
+print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
+      f"manual {manual_every} -> {manual_last}, DDP buckets {ddp_every} -> {ddp_last}")
+
+
+# %% [markdown]
+# ## 11. Logging a rank's own loss as the global loss
+#
+# **Bug**: `losses.append(loss.item())` on rank 0, plotted as "the training loss". It is the
+# loss of rank 0's 1/N of each batch, not of the batch. (Every run of `train` above logged
+# exactly this.) **Fix**: all-reduce a copy of the loss, on every rank, and divide (weighted by
+# the counts when the batches are uneven: pitfall 5). It is one more small collective per logged
+# step, so log every few steps.
+
+# %%
+def global_loss(loss):  # the fix: every rank calls it, every rank gets the same value
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return (mean / dist.get_world_size()).item()
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+logged_global = gst.launch(partial(train, log=global_loss), WORLD_SIZE)
+
+# %% [markdown]
+# **Symptom**: each rank's curve wanders around the global one (dashed); the global loss is the
+# mean of the ranks' own losses (the training is the same, only the logging changed), and every
+# rank logs the same value.
+
+# %%
+local0 = torch.tensor(correct[0]["logged"])  # rank 0's own loss, step by step
+mean_of_ranks = torch.tensor([r["logged"] for r in correct]).mean(dim=0)
+logged = torch.tensor(logged_global[0]["logged"])  # the all-reduced loss
+off = (local0 - mean_of_ranks).abs()
+print(f"rank 0's loss vs the global: mean |difference| {off.mean():.4f}, largest {off.max():.4f}")
+assert all(r["logged"] == logged_global[0]["logged"] for r in logged_global)  # same on every rank
+assert (logged - mean_of_ranks).abs().max() <= 1e-5  # = the mean of the ranks' own losses
+assert off.mean() > 1e-3
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+fig = gst.plots.plot_loss_curves(
+    [r["logged"] for r in correct], baseline={"global loss (all-reduced)": logged},
+    labels=[f"rank {r}'s own loss" for r in range(WORLD_SIZE)],
+    title="What each rank logs vs the loss of the whole batch",
+)
+
+
+# %% [markdown]
+# ## Copy this into your code
+#
+# ```python
+# torch.manual_seed(SEED)                                # 2: the same seed on every rank...
+# for p in model.parameters():
+#     dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
+# gst.checks.assert_equal_across_ranks(model, buffers=True)      # 2, 9: now and then
+#
+# sampler = DistributedSampler(dataset, shuffle=True, seed=SEED) # 3, 6: equal, disjoint shards
+# loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
+# gst.detect.assert_disjoint_shards(list(sampler))       # 3
+# gst.detect.assert_same_across_ranks(len(loader), "batches per epoch")  # 6
+# for epoch in range(epochs):
+#     sampler.set_epoch(epoch)                           # 4
+#     for step, (x, y) in enumerate(loader):
+#         loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+#         totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
+#         dist.all_reduce(totals)                        # 5, 7, 11: on every rank
+#         (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
+#         for p in model.parameters():
+#             if p.grad is None:                         # 8 (zeros if the ranks may differ)
+#                 continue
+#             dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
+#         optimizer.step()
+#         optimizer.zero_grad()
+#         if rank == 0 and step % 10 == 0:
+#             print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+# ```
+#
+# With DDP: `DDP(model)` (2), `find_unused_parameters=True` only if needed (8),
+# `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (9), `with model.no_sync():` for all
+# but the last micro-batch (10), `with Join([model]):` for uneven inputs (6). Count what your
+# code communicates with `with gst.detect.count_collectives() as calls:` (and
+# `calls.watch(ddp_model)`).
+#
+# ## Exercise
+#
+# Write `global_mean_loss(losses)`, the number to log (pitfalls 5 and 11). `losses` holds this
+# rank's per-sample losses in a step (`F.nll_loss(..., reduction="none")`), and the ranks hold
+# different numbers of them. Return the mean over **all** the ranks' samples, as a float, the
+# same on every rank: reduce this rank's sum of the losses together with its count (one
+# `dist.all_reduce` on `torch.stack([...])` sends both), then divide once. Leave `losses` itself
+# alone (in training, `backward()` still needs it), and remember that every rank must call the
+# collective (pitfall 7).
+#
+# The check below runs it on 2 ranks holding 8 and 3 samples and compares what each rank returns
+# with the mean over all 11. It prints "✓ correct", or fails with what is wrong (the mean of the
+# means, a sum not divided, a rank that skipped the all_reduce...); until you write the function,
+# it says "not attempted yet". Stuck? `%load solutions/04_global_mean_loss.py` in a new cell.
+
+# %%
+def global_mean_loss(losses):
+    # your code here: this rank's sum and count, one dist.all_reduce, divide once, .item()
+    raise NotImplementedError("write global_mean_loss")
+
+
+# %%
+gst.exercises.check_global_mean_loss(global_mean_loss)
+
+# %% [markdown]
+# **One more, not checked**: make pitfall 6 finish **without** a sampler and without DDP: in
+# `train`, before the loop, let the ranks agree on the smallest number of batches
+# (`dist.all_reduce(..., op=dist.ReduceOp.MIN)`) and have every rank stop there. Check with
+# `gst.launch(..., timeout=HANG_TIMEOUT)` on `n=N_UNEVEN` that it finishes, that every rank took
+# the same number of steps, and that the replicas agree. Which samples did training skip?

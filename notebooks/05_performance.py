@@ -1,0 +1,626 @@
+# %% [markdown]
+# # 05 — Why DDP is fast
+#
+# **Question: `DistributedDataParallel` averages the same gradients as notebook 02's loop, so
+# why is it faster, and what does it take to match it by hand?**
+#
+# Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP
+# gets the same numbers (notebook 03) in less time, because of three ideas:
+#
+# 1. **one call costs a fixed latency, whatever its size**, so send all gradients in *one* flat
+#    buffer instead of 8 (or hundreds of) small tensors;
+# 2. cut that buffer into **buckets** of about 25 MB, in the order backward produces gradients;
+# 3. start each bucket's `all_reduce` **while backward is still running**, and wait for it just
+#    before `optimizer.step()`.
+#
+# We build each idea in turn (the code lives in `gst.averaging`, so that this notebook, the
+# benchmark and the tests run the same code), prove that each gives DDP's result, and time it.
+# Then DDP's knobs, the numerics of dividing before or after summing, and what `all_reduce`
+# does inside: a ring of `send`/`recv`.
+
+# %%
+import os
+
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
+
+SEED = 1234
+GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
+LR, MOMENTUM = 0.01, 0.5
+EPOCHS = 1
+N_TRAIN = 4096 if SMOKE_TEST else None  # None: all 60,000 training images
+
+import inspect
+import runpy
+import statistics
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from IPython.display import Code
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import gradsync_tutorial as gst
+
+
+def show(obj):
+    """Display the source of a `gst.averaging` function: the code every cell below runs."""
+    return Code(inspect.getsource(obj), language="python")
+
+
+# %% [markdown]
+# ## Where the time goes: latency, then bandwidth
+#
+# Time one `all_reduce` of n floats, for n from 1 to millions. A simple model of a collective
+# is *time = latency + bytes / bandwidth*: below some size the fixed cost dominates and the
+# time hardly depends on n.
+
+# %%
+def time_all_reduce(rank, world_size, sizes):
+    device = gst.local_device()
+    for _ in range(20):  # warm-up: the first calls set up connections and buffers
+        dist.all_reduce(torch.zeros(1, device=device))
+    medians = {}
+    for n in sizes:
+        t = torch.zeros(n, device=device)
+        dist.all_reduce(t)  # warm-up for this size
+        times = []
+        for _ in range(100 if n <= 100_000 else 10):  # back to back: each call syncs the ranks
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            if t.is_cuda:
+                torch.cuda.synchronize()  # nccl returns before the work is done
+            times.append(time.perf_counter() - start)
+        medians[n] = statistics.median(times) * 1e3  # ms; the median ignores rare hiccups
+    return medians
+
+
+SIZES = [10**k for k in range(6 if SMOKE_TEST else 8)]  # 1 ... 10 million floats
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ms = gst.launch(time_all_reduce, world_size=WORLD_SIZE, args=(SIZES,))[0]
+for n, t in ms.items():
+    print(f"all_reduce of {n:>10,} floats ({4 * n / 1e6:9.6f} MB): {t:7.3f} ms")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+big = max(SIZES)
+print(f"10,000 floats take {ms[10_000] / ms[100]:.1f}x the time of 100 floats; "
+      f"{big:,} floats take {ms[big] / ms[100]:.0f}x")
+
+# %% [markdown]
+# The course's CNN has 21,840 parameters in 8 tensors; the largest, `fc1.weight`, holds 16,000
+# floats. All of them sit on the flat, latency-bound part of the curve:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+net = gst.model.Net()
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.loglog(list(ms), list(ms.values()), "o-", label=f"one all_reduce, {WORLD_SIZE} ranks")
+for p in net.parameters():
+    ax.axvline(p.numel(), color="grey", lw=0.5)
+ax.axvline(sum(p.numel() for p in net.parameters()), color="C1", label="CNN, all 8 tensors")
+ax.set(xlabel="floats per call", ylabel="ms per call",
+       title="all_reduce time vs size (grey: the CNN's tensors)")
+ax.legend()
+plt.show()
+
+
+# %% [markdown]
+# So 8 calls cost about 8 latencies, and one call for all 8 tensors costs about one. Measured
+# on the CNN's own gradients, with notebook 02's loop and with one flat buffer (both defined
+# below):
+
+# %%
+def time_averaging(rank, world_size, reps):
+    model = gst.model.Net().to(gst.local_device())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    variants = {"per-parameter": lambda: gst.averaging.average_per_parameter(model),
+                "flat": gst.averaging.FlatAverager(model)}
+    times = {name: [] for name in variants}
+    for _ in range(reps):  # alternate the two, so that machine noise hits both alike
+        for name, average in variants.items():
+            start = time.perf_counter()
+            average()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+reps = 20 if SMOKE_TEST else 200
+averaging_ms = gst.launch(time_averaging, world_size=WORLD_SIZE, args=(reps,))[0]
+for name, t in averaging_ms.items():
+    print(f"{name:>13}: {t:.2f} ms per step")
+print(f"per-parameter / flat: {averaging_ms['per-parameter'] / averaging_ms['flat']:.1f}x")
+
+# %%
+assert averaging_ms["per-parameter"] > averaging_ms["flat"]  # 8 calls cost more than 1
+print("8 small calls take longer than one call with the same bytes")
+
+# %% [markdown]
+# ## 1. Per parameter: notebook 02's loop
+#
+# The reference, and the slow case: one call per parameter, after backward.
+
+# %%
+show(gst.averaging.average_per_parameter)
+
+# %% [markdown]
+# ## 2. One flat buffer
+#
+# Copy every gradient into one buffer, reduce it in one call, and copy each piece back into its
+# `.grad`, divided by N. A `Bucket` holds the buffer and, for each parameter, a view of its
+# slot (`split` + `view_as`), so that both copies are plain `copy_` calls:
+
+# %%
+show(gst.averaging.Bucket)
+
+# %%
+show(gst.averaging.FlatAverager)
+
+# %% [markdown]
+# Why keep the buffer instead of a fresh `torch.cat(...)` every step? For a large model the
+# fresh buffer is memory new to the process: each of its pages faults and is zeroed on first
+# touch, which can cost more than the copy itself. Here for 40 MB, the gradients of a
+# 10M-parameter model. The page faults are counted by the operating system (a count, so it
+# does not depend on how busy the machine is); the times show what they cost here:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+try:
+    import resource  # Linux and macOS: the process's page-fault counter
+except ImportError:  # Windows
+    resource = None
+
+
+def page_faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource else 0
+
+
+grads = [torch.randn(2048, 2048) for _ in range(2)] + [torch.randn(1_600_000)]  # 10M floats
+buffer = torch.empty(sum(g.numel() for g in grads))
+torch.cat([g.flatten() for g in grads], out=buffer)  # the kept buffer: touched once, here
+copy_ms = {"fresh torch.cat": [], "into a kept buffer": []}
+faults = {"fresh torch.cat": [], "into a kept buffer": []}
+for _ in range(5):
+    for name, out in [("fresh torch.cat", None), ("into a kept buffer", buffer)]:
+        before, start = page_faults(), time.perf_counter()
+        torch.cat([g.flatten() for g in grads], out=out)
+        copy_ms[name].append((time.perf_counter() - start) * 1e3)
+        faults[name].append(page_faults() - before)
+copy_ms = {name: statistics.median(t) for name, t in copy_ms.items()}
+faults = {name: min(f) for name, f in faults.items()}
+for name in copy_ms:
+    print(f"{name:>18}: {copy_ms[name]:5.1f} ms, {faults[name]:6,} page faults")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+pages = buffer.numel() * buffer.element_size() // 4096  # 4-KB pages
+if resource:  # every step, the fresh buffer faults its pages in again; the kept one never does
+    assert faults["fresh torch.cat"] >= 10 * (faults["into a kept buffer"] + 1)
+    print(f"fresh buffer: {faults['fresh torch.cat']:,} page faults a step "
+          f"({pages:,} pages of 4 KB in 40 MB); kept buffer: {faults['into a kept buffer']}")
+slower = copy_ms["fresh torch.cat"] / copy_ms["into a kept buffer"]
+print(f"what it costs on this machine: a fresh buffer every step is {slower:.1f}x the time")
+
+# %% [markdown]
+# ## 3. Buckets
+#
+# One buffer for a 10-GB model would double its gradient memory and could only be sent after
+# the *whole* backward. DDP cuts the parameters into buckets of about `bucket_cap_mb` (25 MiB
+# by default), **last layer first**, since backward produces the last layer's gradients first.
+
+# %%
+show(gst.averaging.make_buckets)
+
+# %%
+show(gst.averaging.BucketedAverager)
+
+# %% [markdown]
+# At the default 25 MiB the whole CNN (85 KiB of gradients) is one bucket. To see several
+# buckets on this small model, we use a tiny cap of 0.015 MiB (15.4 KiB) from here on:
+
+# %%
+BUCKET_CAP_MB = 0.015
+names = {p: name for name, p in net.named_parameters()}
+buckets = gst.averaging.make_buckets(net.parameters(), BUCKET_CAP_MB)
+for i, bucket in enumerate(buckets):
+    kib = sum(p.numel() * p.element_size() for p in bucket) / 1024
+    print(f"bucket {i}: {kib:5.1f} KiB  {[names[p] for p in bucket]}")
+assert len(gst.averaging.make_buckets(net.parameters())) == 1  # default cap: one bucket
+assert [names[p] for p in buckets[0]] == ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]
+
+# %% [markdown]
+# ## 4. Overlap: a mini DDP
+#
+# Buckets pay off once a bucket's `all_reduce` can start as soon as its gradients exist, while
+# backward goes on computing the earlier layers. PyTorch calls a hook registered with
+# `param.register_post_accumulate_grad_hook(hook)` the moment `param.grad` is final. The hook
+# copies the gradient into its bucket's buffer; when the bucket is full, it launches the
+# bucket's `all_reduce` with `async_op=True`, which returns at once with a handle. After
+# `loss.backward()`, `wait()` waits on the handles, divides, and copies the means back.
+#
+# One rule matters: every rank must issue the same collectives **in the same order**, so
+# buckets are launched in bucket order, never "whichever is ready first".
+
+# %%
+show(gst.averaging.OverlappedAverager)
+
+
+# %% [markdown]
+# Does communication really start during backward? A probe on `conv1.weight`, the last gradient
+# that backward computes, counts the buckets already launched when it arrives:
+
+# %%
+def overlap_probe(rank, world_size, cap):
+    torch.manual_seed(SEED)
+    model = gst.model.Net()
+    averager = gst.averaging.OverlappedAverager(model, bucket_cap_mb=cap)
+    launched = {}
+
+    def probe(grad):  # runs when conv1.weight's gradient has been computed, before the copy
+        launched["before conv1.weight's gradient"] = len(averager.works)
+
+    model.conv1.weight.register_hook(probe)
+    images, labels = gst.data.load(train=True)
+    F.nll_loss(model(images[:64]), labels[:64]).backward()
+    launched["when backward() returns"] = len(averager.works)
+    averager.wait()
+    return launched | {"buckets": len(averager.buckets)}
+
+
+probe = gst.launch(overlap_probe, world_size=WORLD_SIZE, args=(BUCKET_CAP_MB,))[0]
+for moment, n in probe.items():
+    print(f"{moment}: {n}")
+assert probe["before conv1.weight's gradient"] == probe["buckets"] - 1  # all but conv1's bucket
+assert probe["when backward() returns"] == probe["buckets"]
+
+# %% [markdown]
+# ## Every variant gives DDP's result
+#
+# The training loop of notebook 02, with the lines being taught changed: `gst.averaging.prepare`
+# returns the module to call (`model` itself, or DDP's wrapper) and the averaging to run between
+# `backward()` and `step()` (nothing for DDP, which averages inside `backward()`).
+
+# %%
+show(gst.averaging.prepare)
+
+
+# %% tags=["training-loop"]
+def train(rank, world_size, variant, epochs, options=None, comm_hook=None):
+    torch.manual_seed(SEED)  # same seed on every rank: the replicas start identical
+    device = gst.local_device()  # cuda:LOCAL_RANK with a GPU per rank, else the CPU
+    model = gst.model.Net().to(device)
+    net, average = gst.averaging.prepare(model, variant, **(options or {}))  # new
+    if comm_hook is not None:  # DDP only: replaces its all_reduce (see "DDP's knobs")
+        net.register_comm_hook(None, comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    images, labels = images[:N_TRAIN], labels[:N_TRAIN]
+    batch_size = GLOBAL_BATCH // world_size  # each rank's share of the global batch
+    losses, start = [], time.perf_counter()
+    for epoch in range(epochs):
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED + epoch))
+        shard = order[rank::world_size]  # this rank's 1/N of the data
+        model.train()
+        for start_idx in range(0, len(shard), batch_size):
+            idx = shard[start_idx : start_idx + batch_size]
+            x, y = images[idx].to(device), labels[idx].to(device)
+            optimizer.zero_grad()
+            loss = F.nll_loss(net(x), y)  # new: net, DDP's wrapper for "ddp"
+            loss.backward()  # "overlap" and "ddp" start averaging in here
+            average()  # new: this variant's averaging; every rank now holds the mean gradient
+            optimizer.step()
+            losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict(), "seconds": time.perf_counter() - start}
+
+
+# %% [markdown]
+# One epoch with each variant, all with the small bucket cap (DDP too), so that bucketed,
+# overlapped and DDP averaging each make 3 calls per step. (The epoch times are single runs,
+# one after the other; the benchmark below measures the ratios with more care.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+runs = {}
+for variant in gst.averaging.VARIANTS:
+    runs[variant] = gst.launch(train, world_size=WORLD_SIZE,
+                               args=(variant, EPOCHS, {"bucket_cap_mb": BUCKET_CAP_MB}))
+    print(f"{variant:>13}: one epoch in {runs[variant][0]['seconds']:.1f} s")
+
+# %%
+steps = len(runs["ddp"][0]["losses"])
+print(f"after {steps} steps on {WORLD_SIZE} ranks:")
+for variant, results in runs.items():
+    state, ddp_state = results[0]["state"], runs["ddp"][0]["state"]
+    vs_ddp = gst.checks.compare_state_dicts(state, ddp_state, show=False)
+    between_ranks = gst.checks.compare_ranks([r["state"] for r in results], show=False)
+    print(f"{variant:>13}: max |variant - DDP| = {vs_ddp:.1e}, "
+          f"max difference between ranks = {between_ranks}")
+    assert vs_ddp <= 1e-4 and between_ranks == 0.0
+
+# %% [markdown]
+# With 2 ranks (and 4) the parameters are usually bit-identical to DDP's; with other rank
+# counts, they may differ in the last bits, since floating-point sums depend on their order and
+# each variant's buffers lay the numbers out differently (see "Divide, then sum" below).
+#
+# ## Measured: the step time of each variant against DDP's
+#
+# `benchmarks/averaging.py` times whole training steps (forward, backward, averaging, step) of
+# every variant and of DDP in one launch, on the same batches, interleaved round by round, for
+# the CNN and for an MLP with 10 million parameters (40 MB of gradients, where bandwidth counts
+# too). Every rank runs one thread, and every variant uses DDP's default 25 MiB buckets. A
+# "compute only" line, which does not average at all, shows what a step costs without any
+# communication. This cell runs it as `python benchmarks/averaging.py` does:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+bench = runpy.run_path("../benchmarks/averaging.py")  # the benchmark script's functions
+rows = bench["run"](world_sizes=(WORLD_SIZE,) if SMOKE_TEST else (2, 4), models=("cnn", "mlp"))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+cases = sorted({(r["model"], r["ranks"]) for r in rows}, key=lambda c: (c[1], c[0]))
+fig, ax = plt.subplots(figsize=(9, 3.8))
+names = [*gst.averaging.VARIANTS, "compute only"]
+width = 0.8 / len(names)
+for i, name in enumerate(names):
+    ratio = {(r["model"], r["ranks"]): r["ratio"] for r in rows if r["name"] == name}
+    ax.bar([k + (i - len(names) / 2 + 0.5) * width for k in range(len(cases))],
+           [ratio[c] for c in cases], width, label=name,
+           color="lightgrey" if name == "compute only" else None)
+ax.axhline(1.0, color="black", lw=0.8)
+ax.axhline(1.05, color="black", lw=0.8, ls="--", label="goal: 1.05x DDP")
+ax.set_xticks(range(len(cases)), [f"{m}, {n} ranks" for m, n in cases])
+ax.set(ylabel="step time / DDP's", title="Step time relative to DDP's (lower is faster)")
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+plt.show()
+
+# %%
+assert {r["name"] for r in rows} == set(names)
+assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+print("all_reduce calls per step:")
+for model, n in cases:
+    calls = {r["name"]: r["calls"] for r in rows if (r["model"], r["ranks"]) == (model, n)}
+    print(f"  {model}, {n} ranks: {calls}")
+assert all(r["calls"] == 8 for r in rows if r["name"] == "per-parameter")
+assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
+
+# %% [markdown]
+# How to read it (your numbers will differ from the ones above, which depend on the machine):
+#
+# * the distance from a variant to **compute only** is what its communication costs per step;
+# * **per-parameter** is the slow case where the step is short, as for the CNN: its 7 extra
+#   latencies are a large part of the step. For the MLP the 40 MB dominate, and 8 calls cost
+#   little more than one;
+# * **flat** and **bucketed** make one or two calls, as DDP does, and are no slower than DDP;
+# * **overlap** hides communication behind backward only if something else moves the bytes
+#   while backward computes: on GPUs, the interconnect (and NCCL) while the GPU runs backward.
+#   On a CPU with one core per rank, gloo's communication thread has to take turns with
+#   backward on the same core, so overlapping, DDP's included, saves nothing; that is why a
+#   variant that does not overlap can match or beat DDP here.
+#
+# ## DDP's knobs
+#
+# DDP's constructor and hooks expose the ideas above as settings. On the MLP, where they
+# matter, 2 ranks:
+#
+# * `bucket_cap_mb` (default 25): smaller buckets start communicating earlier but pay more
+#   latencies; larger ones pay fewer but start later;
+# * `gradient_as_bucket_view=True`: `.grad` becomes a view into its bucket, which saves
+#   copies between the two and a gradient-sized block of memory;
+# * a **communication hook** replaces DDP's `all_reduce` by any function of the bucket. The
+#   documented `fp16_compress_hook` sends float16: half the bytes, but fewer digits.
+
+# %%
+show(default_hooks.fp16_compress_hook)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+knobs = {
+    "ddp": {"variant": "ddp"},
+    "bucket_cap_mb=1": {"variant": "ddp", "bucket_cap_mb": 1},
+    "bucket_cap_mb=5": {"variant": "ddp", "bucket_cap_mb": 5},
+    "bucket_cap_mb=100": {"variant": "ddp", "bucket_cap_mb": 100},
+    "gradient_as_bucket_view": {"variant": "ddp", "gradient_as_bucket_view": True},
+    "fp16_compress_hook": {"variant": "ddp", "hook": "fp16"},
+}
+knob_rows = bench["run"](world_sizes=(WORLD_SIZE,), models=("mlp",), specs=knobs)
+
+# %% [markdown]
+# How to read it: with one core per rank nothing overlaps (see above), so the bucket size
+# changes little here; on GPUs, smaller buckets start communicating earlier in backward, at the
+# price of more calls. `gradient_as_bucket_view` saves copies between `.grad` and the buckets,
+# and the memory of one of them. The float16 hook halves the bytes sent but adds two
+# conversions and float16 sums, which most CPUs have no instructions for: it pays off where the
+# network, not the arithmetic, is the bottleneck, and may not pay off on a CPU at all.
+#
+# Do the knobs change the result? Buckets and views only move the same numbers around; the
+# float16 hook rounds every gradient to 3 significant digits before sending it:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
+knob_runs = {
+    "bucket_cap_mb=25 (default)": gst.launch(train, world_size=WORLD_SIZE, args=("ddp", EPOCHS)),
+    "gradient_as_bucket_view": gst.launch(
+        train, world_size=WORLD_SIZE, args=("ddp", EPOCHS, {"gradient_as_bucket_view": True})),
+    "fp16_compress_hook": gst.launch(
+        train, world_size=WORLD_SIZE, args=("ddp", EPOCHS, None, default_hooks.fp16_compress_hook)),
+}
+
+# %%
+knob_diffs = {}
+for name, results in knob_runs.items():
+    knob_diffs[name] = gst.checks.compare_state_dicts(results[0]["state"], ddp_state, show=False)
+    print(f"{name:>27}: max |knob - DDP| after {steps} steps = {knob_diffs[name]:.1e}")
+assert knob_diffs["bucket_cap_mb=25 (default)"] <= 1e-4
+assert knob_diffs["gradient_as_bucket_view"] <= 1e-4
+assert knob_diffs["fp16_compress_hook"] > 10 * max(knob_diffs["gradient_as_bucket_view"], 1e-7)
+
+# %% [markdown]
+# ## Divide, then sum, or sum, then divide?
+#
+# Our variants sum, then divide by N (notebook 02). DDP multiplies each gradient by 1/N while
+# copying it into its bucket, *before* summing, and `fp16_compress_hook` above divides before
+# summing too. In exact arithmetic these are equal. In floating point:
+#
+# * multiplying by 1/2 or 1/4 only changes the exponent, so it is exact, and the two orders give
+#   bit-identical results; 1/3 is rounded, so they can differ in the last bit;
+
+# %%
+g = torch.randn(3, 100_000, generator=torch.Generator().manual_seed(SEED))  # 3 ranks' gradients
+for n in (2, 3, 4):
+    grads = list(g.repeat(2, 1)[:n])  # n ranks' gradients
+    sum_then_divide = sum(grads) / n  # our variants
+    divide_then_sum = sum(x * (1 / n) for x in grads)  # DDP
+    d = (sum_then_divide - divide_then_sum).abs().max().item()
+    print(f"N={n}: max |sum/N - sum(x * 1/N)| = {d:.1e}, elements that differ: "
+          f"{(sum_then_divide != divide_then_sum).float().mean():.1%}")
+    assert (d == 0) == (n in (2, 4))
+
+
+# %% [markdown]
+# * in float16 the order matters much more: the largest float16 is 65,504, so summing first
+#   overflows to `inf` where dividing first does not, and dividing first turns tiny gradients
+#   into zeros where summing first does not. Here, with real `all_reduce` calls in float16:
+
+# %%
+def fp16_orders(rank, world_size):
+    grad = torch.tensor([40_000.0, 2**-24, 1.0], dtype=torch.float16)  # large, the tiniest, 1
+    sum_first = grad.clone().to(gst.local_device())
+    dist.all_reduce(sum_first)
+    sum_first /= world_size
+    divide_first = grad.clone().to(gst.local_device()) / world_size  # what the fp16 hook does
+    dist.all_reduce(divide_first)
+    return {"sum, then divide": sum_first.tolist(), "divide, then sum": divide_first.tolist(),
+            "exact mean": grad.tolist()}  # every rank holds the same values here
+
+
+orders = gst.launch(fp16_orders, world_size=WORLD_SIZE)[0]
+for name, values in orders.items():
+    print(f"{name:>17}: {values}")
+assert orders["sum, then divide"][0] == float("inf") and orders["divide, then sum"][0] == 40_000
+assert orders["sum, then divide"][1] > 0 and orders["divide, then sum"][1] == 0
+
+# %% [markdown]
+# ## Inside `all_reduce`: a ring of `send` and `recv`
+#
+# How does `all_reduce` sum a tensor over N ranks? The classic algorithm (gloo's and NCCL's
+# "ring") only ever talks to neighbours: each rank cuts its tensor into N chunks, passes one
+# chunk to the right N-1 times while adding the chunk arriving from the left
+# (*reduce-scatter*), and then passes the finished chunks around N-1 more times (*all-gather*).
+
+# %%
+show(gst.averaging.ring_all_reduce)
+
+
+# %% [markdown]
+# It equals `dist.all_reduce` for any number of ranks and any size, even one the number of ranks
+# does not divide. Integer-valued floats are summed exactly in any order, so there the results
+# must be equal bit for bit; random floats may differ in the last bits, since the ring adds in
+# a different order from gloo's algorithm. Each rank also counts the bytes it sends:
+
+# %%
+def ring_vs_all_reduce(rank, world_size, size):
+    generator = torch.Generator().manual_seed(rank)
+    out = {}
+    for kind, t in [("integers", torch.randint(-1000, 1000, (size,), generator=generator).float()),
+                    ("random floats", torch.randn(size, generator=generator))]:
+        ring, reference = t.clone(), t.clone()
+        out["sent"] = gst.averaging.ring_all_reduce(ring)
+        dist.all_reduce(reference)
+        out[kind] = (ring - reference).abs().max().item()
+    return out
+
+
+SIZE = 21_840 + 1  # the CNN's gradients, plus one: no N from 2 to 4 divides it
+ring_rows = {n: gst.launch(ring_vs_all_reduce, world_size=n, args=(SIZE,)) for n in (2, 3, 4)}
+
+# %%
+size_bytes = 4 * SIZE
+print(f"tensor: {SIZE:,} floats = {size_bytes:,} bytes")
+for n, results in ring_rows.items():
+    sent = [r["sent"] for r in results]
+    optimal = 2 * (n - 1) / n * size_bytes
+    print(f"N={n}: |ring - all_reduce| integers {max(r['integers'] for r in results)}, "
+          f"floats {max(r['random floats'] for r in results):.1e}; bytes sent per rank {sent}, "
+          f"mean {sum(sent) / n:,.0f} = 2(N-1)/N x size = {optimal:,.0f}")
+    assert all(r["integers"] == 0 for r in results)
+    assert all(r["random floats"] <= 1e-4 for r in results)
+    assert sum(sent) == 2 * (n - 1) * size_bytes  # the mean is exactly 2(N-1)/N x size
+    assert max(sent) - min(sent) <= 2 * (n - 1) * 4  # chunks differ by at most one float
+
+
+# %% [markdown]
+# Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×
+# however many ranks there are; no all-reduce algorithm can send less. That is why the ring is
+# *bandwidth*-optimal. But it takes 2(N−1) steps, each with its own latency: for small tensors
+# that latency is the cost, which is what this notebook is about.
+#
+# ## Copy this into your code
+#
+# Use DDP (notebook 03): it buckets, overlaps, and is tested. If you must average by hand,
+# make **one** call per step, not one per parameter:
+#
+# ```python
+# class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
+#     def __init__(self, model):
+#         self.params = [p for p in model.parameters() if p.requires_grad]
+#         self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
+#                                   device=self.params[0].device)
+#         pieces = self.buffer.split([p.numel() for p in self.params])
+#         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params)]
+#
+#     def __call__(self):
+#         for p, slot in zip(self.params, self.slots):
+#             slot.copy_(p.grad)                                    # flatten
+#         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
+#         for p, slot in zip(self.params, self.slots):
+#             torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
+# ```
+#
+# and to hide the communication behind backward, start each bucket's call from
+# `param.register_post_accumulate_grad_hook` with `async_op=True`, in the same order on every
+# rank, and `wait()` before `optimizer.step()` (`gst.averaging.OverlappedAverager`).
+#
+# ## Exercise
+#
+# Write the overlap of section 4 without buckets: `average_overlapped(model)` registers on every
+# parameter a hook (`p.register_post_accumulate_grad_hook(hook)`) that starts
+# `dist.all_reduce(p.grad, async_op=True)` the moment `p.grad` is final and keeps the handle it
+# returns, and returns a function `finish()` that waits on this step's handles, divides by the
+# world size, and forgets the handles. It is used like this:
+#
+# ```python
+# finish = average_overlapped(model)  # once, before training
+# loss.backward()                     # your hooks start one all_reduce per parameter
+# finish()                            # every rank now holds the mean gradient
+# optimizer.step()
+# ```
+#
+# The check below runs 2 steps on 2 ranks, counts the calls that start during backward (and how
+# many of them are asynchronous), and compares each step's gradients with the mean over ranks.
+# It prints "✓ correct", or fails with what is wrong; until you write the function, it says "not
+# attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.
+
+# %%
+def average_overlapped(model):
+    # your code here: a hook per parameter that starts an async all_reduce; return finish
+    raise NotImplementedError("write average_overlapped")
+
+
+# %%
+gst.exercises.check_average_overlapped(average_overlapped)
+
+# %% [markdown]
+# **One more, not checked**: write `RingAverager`, a `gst.averaging.FlatAverager` whose
+# `__call__` uses your own `gst.averaging.ring_all_reduce(self.bucket.buffer)` in place of
+# `dist.all_reduce`. Check on 2 and 3 ranks that one training epoch with it gives DDP's parameters (within 1e-6), then time
+# one call of each on the CNN's gradients, as `time_averaging` does above. The ring makes
+# 2(N-1) `send`/`recv` steps per call: how does its time grow from 2 to 4 ranks?

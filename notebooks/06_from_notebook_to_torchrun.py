@@ -1,0 +1,437 @@
+# %% [markdown]
+# # 06 — From notebook to torchrun: the same code on one machine or many
+#
+# **Question: how do I run this training outside a notebook — under `torchrun`, on one machine
+# or on several — and resume it after a crash?**
+#
+# Notebooks 00 to 05 launch functions from cells with `gst.launch`. Real jobs run under
+# `torchrun`, PyTorch's own launcher (on a cluster, SLURM or Kubernetes starts one `torchrun` per
+# machine). **Short answer: the function you launched is the body of the script.** `torchrun`
+# gives every process the environment that `gst.launch` gave your function; the script adds
+# `init_process_group` before it, `destroy_process_group` after it, and `@record` so that a
+# failing rank's traceback reaches torchrun's error summary.
+#
+# This notebook runs the course's script `scripts/train_ddp.py` with torchrun, from here, and
+# checks four things with numbers: torchrun and `gst.launch` give the same parameters; a run
+# resumed from a checkpoint equals a straight run; two "machines" give what one gives; and a
+# failing rank's error is what torchrun reports.
+
+# %%
+import os
+
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
+
+SEED = 1234
+GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
+LR, MOMENTUM = 0.01, 0.5
+EPOCHS = 2  # the resume check splits them: 1, save, resume, 1
+# The script's arguments in every run below. --smoke: the scripts' first 1,024 images only.
+ARGS = ["--batch-size", GLOBAL_BATCH, "--lr", LR, "--seed", SEED]
+if SMOKE_TEST:
+    ARGS.append("--smoke")
+
+import inspect
+import json
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradsync_tutorial as gst
+
+REPO = Path(gst.__file__).resolve().parent.parent  # the course's folder
+sys.path.insert(0, str(REPO / "scripts"))
+import train_ddp  # the script is a module too: the notebook can call its functions
+
+assert train_ddp.MOMENTUM == MOMENTUM and GLOBAL_BATCH % WORLD_SIZE == 0
+
+# %% [markdown]
+# ## `gst.launch` gave your function torchrun's environment
+#
+# `torchrun --standalone --nproc-per-node N script.py` starts N fresh Python processes, gives each
+# one `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`, and
+# runs `script.py` in every one. `gst.launch` starts its workers the same way. Here is what each
+# rank sees, under both (torchrun's `--no-python` runs any program, here a one-line Python
+# command that writes the variables as one line of JSON):
+
+# %%
+KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+# The ranks share torchrun's output pipe. print() may write a line in two pieces (the text, then
+# "\n") when output is unbuffered, and another rank's line can land between them. One
+# os.write of a short line arrives whole.
+probe = (f"import json, os; env = {{k: os.environ.get(k) for k in {KEYS}}}; "
+         "os.write(1, (json.dumps(env) + '\\n').encode())")
+
+def environment(rank, world_size):
+    return {k: os.environ.get(k) for k in KEYS}
+
+launch_envs = gst.launch(environment, world_size=WORLD_SIZE)
+run = subprocess.run(
+    [sys.executable, "-m", "torch.distributed.run", "--standalone",
+     "--nproc-per-node", str(WORLD_SIZE), "--no-python", sys.executable, "-c", probe],
+    capture_output=True, text=True, check=True,
+)
+torchrun_envs = sorted(map(json.loads, run.stdout.splitlines()), key=lambda env: int(env["RANK"]))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{'rank 0 / rank 1 / ...':20}{'gst.launch':>22}{'torchrun':>22}")
+for k in KEYS:
+    values = [" / ".join(env[k] for env in envs) for envs in (launch_envs, torchrun_envs)]
+    print(f"{k:20}{values[0]:>22}{values[1]:>22}")
+
+# %% [markdown]
+# The rendezvous address and port differ from run to run (each launcher picks a free port); the
+# rank variables are the same, rank by rank:
+
+# %%
+same = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
+for env_launch, env_torchrun in zip(launch_envs, torchrun_envs, strict=True):
+    assert {k: env_launch[k] for k in same} == {k: env_torchrun[k] for k in same}
+assert all(e["MASTER_ADDR"] and e["MASTER_PORT"] for e in launch_envs + torchrun_envs)
+print(f"rank variables equal on all {WORLD_SIZE} ranks:", same)
+
+# %% [markdown]
+# ## The script is the function plus three lines
+#
+# So a function that ran under `gst.launch` runs under torchrun as it is. What a script adds is
+# what `gst.launch` did around your function:
+#
+# | in the notebook: `gst.launch(train, world_size=2)` | in `scripts/train_ddp.py`, under `torchrun --nproc-per-node 2` |
+# |---|---|
+# | starts 2 fresh Python processes with the variables above | starts 2 fresh Python processes with the same variables |
+# | picks the device and backend, `set_device`, `init_process_group` | `init_distributed()`: the same rule, the same calls |
+# | calls `train(rank, world_size, *args)` | calls `train(args)`; the arguments come from the command line |
+# | returns each rank's result to the cell | rank 0 prints the log and writes the checkpoint |
+# | raises `RankFailedError` with the failing rank's traceback | exits non-zero; thanks to `@record`, its summary shows the failing rank's traceback |
+# | `destroy_process_group()` at the end | `finally:` free what `train` built, then `dist.destroy_process_group()`, after an error too |
+#
+# Here are the two functions that do it, read from the script itself:
+
+# %%
+print(inspect.getsource(train_ddp.init_distributed))
+print(inspect.getsource(train_ddp.main))
+
+
+# %% [markdown]
+# Inside `train(args)` is notebook 03's loop: DDP, and each rank's indices from
+# `DistributedSampler` with `set_epoch(epoch)`, which deals out exactly notebook 02's shards
+# `order[rank::world_size]` (notebook 03 checks it). `scripts/train_manual.py` is the same
+# script with notebook 02's `average_gradients` instead of DDP. What `train` adds for a real job:
+# its settings come from the command line, rank 0 alone prints a loss averaged over the ranks,
+# and rank 0 writes a checkpoint after every epoch.
+#
+# ## Run it with torchrun, from here
+#
+# The same command as in a terminal, started with this kernel's Python
+# (`python -m torch.distributed.run` *is* the `torchrun` command). One thread per rank, which is
+# torchrun's own default when a machine runs several ranks, so that every run below adds its
+# numbers in the same order and the comparisons can ask for equality.
+
+# %%
+def torchrun(*args, env=None):
+    """Run `torchrun ARGS` in the course's folder, as in a terminal; return the finished process."""
+    print("$ torchrun", " ".join(map(str, args)))
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *map(str, args)], cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), capture_output=True, text=True,
+    )
+
+def fresh(name):
+    """A checkpoint path under checkpoints/ (git ignores it), with no file there yet."""
+    (REPO / "checkpoints" / name).unlink(missing_ok=True)
+    return f"checkpoints/{name}"
+
+def checkpoint(path):
+    return torch.load(REPO / path, map_location="cpu", weights_only=True)
+
+def ok(run):
+    assert run.returncode == 0, f"torchrun exited with {run.returncode}:\n{run.stderr[-3000:]}"
+    return run.stdout
+
+STANDALONE = ["--standalone", "--nproc-per-node", WORLD_SIZE]  # one machine, WORLD_SIZE ranks
+SCRIPT = ["scripts/train_ddp.py", *ARGS]  # the script and the arguments every run shares
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+straight = fresh("06_straight.pt")
+run = torchrun(*STANDALONE, *SCRIPT, "--epochs", EPOCHS, "--checkpoint", straight)
+print(ok(run))
+
+# %% [markdown]
+# Only rank 0 printed, and the loss it printed is the mean over all ranks. The last line is the
+# script's own check that every rank ended with the same parameters:
+
+# %%
+equal = rf"parameters equal across {WORLD_SIZE} ranks: max \|p - p on rank 0\| = 0\.0$"
+assert re.search(equal, run.stdout, re.M)
+assert run.stdout.count(f"epoch {EPOCHS}/{EPOCHS}") == 1  # one line, from rank 0
+print("epochs done in the checkpoint:", checkpoint(straight)["epochs_done"])
+
+
+# %% [markdown]
+# ## `gst.launch` and torchrun give the same parameters
+#
+# The script's `train(args)` is an ordinary function, so we can also launch it from the notebook,
+# with the same command-line arguments. `gst.launch` stands in for `init_distributed()` and
+# `destroy_process_group()`; `num_threads=1` matches torchrun's one thread per rank.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def train_from_notebook(rank, world_size, argv):
+    args = train_ddp.parse_args(argv)  # the command line, as a list of strings
+    return train_ddp.train(args)  # what main() calls between init and destroy
+
+argv = [str(a) for a in ARGS + ["--epochs", EPOCHS]]
+launched = gst.launch(train_from_notebook, world_size=WORLD_SIZE, args=(argv,), num_threads=1)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+diff = gst.checks.compare_state_dicts(
+    launched[0], checkpoint(straight)["model"], names=("gst.launch", "torchrun")
+)
+
+# %% [markdown]
+# On CPUs the two runs add the same numbers in the same order, so they agree to the last bit. (On
+# GPUs the script asks cuDNN for deterministic kernels; the check allows a rounding error there.)
+
+# %%
+ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
+TOL = 1e-5 if ON_GPU else 0.0
+print(f"gst.launch vs torchrun, same seed and data: max abs difference {diff:.1e}")
+assert diff <= TOL
+
+# %% [markdown]
+# ## Checkpoint and resume
+#
+# After every epoch, rank 0 saves a checkpoint and every rank waits at a barrier until the file
+# is complete (`save_checkpoint`). One copy is enough, since every rank holds the same model.
+# What must be in it, for a resumed run to be the run that never stopped:
+
+# %%
+WHY = {
+    "model": "the Net's state dict (no DDP 'module.' prefix)",
+    "optimizer": "SGD's momentum buffers: they carry the past steps into the next ones",
+    "epochs_done": "where to go on: the data order is a function of seed + epoch",
+    "rng": "the random generators, which dropout draws from",
+}
+for key in checkpoint(straight):
+    print(f"{key:12} {WHY[key]}")
+assert list(checkpoint(straight)) == list(WHY)
+
+# %% [markdown]
+# `--resume` continues from `--checkpoint` when the file exists, and starts from scratch when it
+# does not, so one command line serves the first start and every restart (a requeued SLURM job,
+# a torchrun restart). Loading uses `map_location="cpu"`: rank 0 saved tensors from its own GPU,
+# and without it every rank would load them onto that GPU. We train 1 epoch, stop, and run the
+# same command again with `--epochs 2`:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+resumed = fresh("06_resumed.pt")
+first = torchrun(*STANDALONE, *SCRIPT, "--epochs", 1, "--checkpoint", resumed, "--resume")
+print(ok(first))
+after_one = checkpoint(resumed)
+second = torchrun(*STANDALONE, *SCRIPT, "--epochs", EPOCHS, "--checkpoint", resumed, "--resume")
+print(ok(second))
+
+
+# %%
+def momentum(ckpt):
+    return {f"param {i}": s["momentum_buffer"] for i, s in ckpt["optimizer"]["state"].items()}
+
+a, b = checkpoint(straight), checkpoint(resumed)
+model_diff = gst.checks.compare_state_dicts(a["model"], b["model"], show=False)
+momentum_diff = gst.checks.compare_state_dicts(momentum(a), momentum(b), show=False)
+print(f"{EPOCHS} epochs straight vs 1, save, resume, {EPOCHS - 1}: max abs difference "
+      f"{model_diff:.1e} in the parameters, {momentum_diff:.1e} in the momentum buffers")
+assert "no checkpoint at" in first.stdout and "resumed from" in second.stdout
+assert after_one["epochs_done"] == 1 and b["epochs_done"] == EPOCHS
+# More than 2 ranks: a resumed DDP's first step sums in its initial bucket order, a straight
+# run's in the rebuilt one, so the last bits may differ (a sum of 2 numbers has no order).
+RESUME_TOL = TOL if WORLD_SIZE == 2 else max(TOL, 1e-4)
+assert model_diff <= RESUME_TOL and momentum_diff <= RESUME_TOL
+
+# %% [markdown]
+# Why the RNG state: dropout draws new masks at every step. After epoch 1 the generator has moved
+# on from where `torch.manual_seed` put it; a resumed run that only re-seeded would draw epoch 1's
+# masks again in epoch 2.
+
+# %%
+torch.manual_seed(SEED)
+gst.model.Net()  # what every rank does before training: seed, then build the model
+assert not torch.equal(torch.get_rng_state(), after_one["rng"]["cpu"])
+print("the saved generator state is not the seeded one: re-seeding would replay epoch 1's dropout")
+
+# %% [markdown]
+# ## Many machines: one torchrun per machine
+#
+# On a cluster, each machine runs one `torchrun` agent. The agents meet at a *rendezvous*, a
+# store on one of them (`--rdzv-backend c10d --rdzv-endpoint HOST:PORT`), agree on who is
+# rank what, and start their workers:
+#
+# ```bash
+# # on every machine (the same line; HOST is one of them, e.g. the first):
+# torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+#     --rdzv-id my-job scripts/train_ddp.py --checkpoint ckpt.pt --resume
+# ```
+#
+# Two agents on this one machine are two "machines" as far as torch is concerned, so we can
+# check that the result does not depend on how the ranks are spread: 2 agents with
+# `WORLD_SIZE / 2` ranks each must give what 1 agent with `WORLD_SIZE` ranks gave.
+# (`is_host` says which agent hosts the store, which on real machines torchrun works out from
+# the host name. With GPUs, each agent gets GPUs of its own, as each machine would.)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+with socket.socket() as s:  # a free port for the rendezvous
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+two_nodes = fresh("06_two_nodes.pt")
+
+def agent(node):
+    per_node = WORLD_SIZE // 2
+    gpus = ",".join(str(node * per_node + i) for i in range(per_node))
+    return torchrun("--nnodes", 2, "--nproc-per-node", per_node, "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "notebook-06",
+                    "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                    *SCRIPT, "--epochs", EPOCHS, "--checkpoint", two_nodes,
+                    env={"CUDA_VISIBLE_DEVICES": gpus} if ON_GPU else None)
+
+with ThreadPoolExecutor(2) as pool:  # both agents at once, as on two machines
+    agents = list(pool.map(agent, [0, 1]))
+for node, run in enumerate(agents):
+    print(f"--- agent {node}:\n{ok(run)}")
+
+# %%
+diff = gst.checks.compare_state_dicts(
+    checkpoint(two_nodes)["model"], checkpoint(straight)["model"], show=False
+)
+print(f"2 agents x {WORLD_SIZE // 2} ranks vs 1 agent x {WORLD_SIZE} ranks: "
+      f"max abs difference {diff:.1e}")
+assert diff <= TOL
+
+# %% [markdown]
+# ## When a rank fails
+#
+# The script has a switch for this demonstration: `GRADSYNC_FAIL_RANK=1` makes rank 1 raise an
+# exception once training is set up. torchrun stops the other ranks and exits with a non-zero
+# status, which is what a scheduler (or a CI job) needs to see, and ends with a summary:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+failed = torchrun(*STANDALONE, *SCRIPT, "--epochs", 1, env={"GRADSYNC_FAIL_RANK": "1"})
+summary = failed.stderr[failed.stderr.index("scripts/train_ddp.py FAILED"):]
+print(f"exit status {failed.returncode}; torchrun's error summary, the end of its stderr:\n")
+print(summary)
+
+# %% [markdown]
+# How to read it, from the bottom up:
+#
+# * **Root Cause (first observed failure)**: the rank that failed first, its exit code, and —
+#   because `main` is decorated with `@record` — its traceback. Start here.
+# * **Failures**: the ranks that failed after it, usually *because* of it: here rank 0, whose
+#   `all_reduce` lost its peer ("Connection closed by peer") or which torchrun stopped with
+#   SIGTERM. Not a second bug.
+
+# %%
+root_cause = summary[summary.index("Root Cause"):]
+others = summary[summary.index("Failures:"):summary.index("Root Cause")]
+assert failed.returncode != 0
+assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause)
+assert "RuntimeError: rank 1 fails on purpose" in root_cause
+assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)", others)
+print(f"exit status {failed.returncode}; root cause: rank 1's own exception; then: rank 0")
+
+# %% [markdown]
+# Without `@record` the root cause has no traceback, only a link. The same kind of failure in a
+# one-line program that does not use it:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+bare = torchrun("--standalone", "--nproc-per-node", 1, "--no-python", sys.executable, "-c",
+                "raise RuntimeError('a script without @record')")
+bare_root_cause = bare.stderr[bare.stderr.rindex("Root Cause"):]
+print(bare_root_cause)
+
+# %%
+assert bare.returncode != 0 and "without @record" not in bare_root_cause
+assert "To enable traceback see" in bare_root_cause
+assert "without @record" in bare.stderr  # the worker's own stderr, mixed with every other rank's
+print("without @record, the summary has no traceback: the error is only in the worker's own output")
+
+
+# %% [markdown]
+# ## Copy this into your code
+#
+# The shape of a torchrun script (the whole thing: `scripts/train_ddp.py`; the README has the
+# multi-node and SLURM commands):
+#
+# ```python
+# from torch.distributed.elastic.multiprocessing.errors import record
+#
+# @record                                  # the failing rank's traceback in torchrun's summary
+# def main():
+#     args = parse_args()
+#     init_distributed()                   # set_device, then init_process_group(nccl or gloo)
+#     try:
+#         train(args)                      # the function you ran with gst.launch
+#     finally:
+#         gc.collect()                     # free DDP (it holds the group) before the group
+#         dist.destroy_process_group()     # after an error too
+#
+# if __name__ == "__main__":
+#     main()
+# ```
+#
+# ```bash
+# torchrun --standalone --nproc-per-node 4 scripts/train_ddp.py --checkpoint ckpt.pt --resume
+# ```
+#
+# * Each rank's data: `DistributedSampler(dataset, shuffle=True, seed=SEED)` and
+#   `sampler.set_epoch(epoch)` at the start of every epoch.
+# * Log from rank 0 only, a loss averaged across ranks (`all_reduce`, then divide).
+# * Checkpoint: rank 0 saves model, optimizer, epochs done and RNG state, then `dist.barrier()`;
+#   load with `torch.load(path, map_location="cpu")` on every rank.
+#
+# ## Exercise
+#
+# Write `save_checkpoint(path, model, optimizer, epochs_done)` from what this notebook showed,
+# without looking at the script: after it, a run that restarts (seeds, builds the model and the
+# optimizer, loads the file) must be exactly the run that never stopped. Every rank calls it;
+# `model` is the Net inside DDP, as in the script, and `optimizer` SGD with momentum. Think of
+# what the file needs (the list under "Checkpoint and resume"), of which rank writes it, and of
+# when the other ranks may go on.
+#
+# The check below runs it on 2 ranks in the middle of a training run with dropout, then compares
+# 2 more steps of that run with 2 steps of a run resumed from your file (whatever your keys: it
+# finds the pieces by what they are). It prints "✓ correct", or fails with what is wrong (a
+# missing piece and how far the resumed run drifts, a file written by every rank, a rank that did
+# not wait); until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/06_save_checkpoint.py` in a new cell.
+
+# %%
+def save_checkpoint(path, model, optimizer, epochs_done):
+    # your code here: on rank 0, torch.save a dict of what a resumed run needs; then every rank
+    # waits until the file is complete
+    raise NotImplementedError("write save_checkpoint")
+
+
+# %%
+gst.exercises.check_save_checkpoint(save_checkpoint)
+
+# %% [markdown]
+# **One more, not checked**: torchrun can restart a failed job by itself: `--max-restarts 1`
+# starts every worker again after a failure, with the same command line. Change the failure
+# switch so that rank 1 fails only once, during epoch 2 (for example only while a file
+# `fail-once` exists, which it deletes before raising). Run 2 epochs with
+# `--max-restarts 1 --checkpoint ... --resume` and check that the job succeeds, that the log
+# shows the restart resuming after epoch 1, and that the final parameters equal the straight
+# run's.

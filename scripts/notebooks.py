@@ -1,0 +1,172 @@
+"""Build the course notebooks from their sources: ``notebooks/NN_*.py`` -> ``notebooks/NN_*.ipynb``.
+
+    python scripts/notebooks.py            # every notebook (what `make notebooks` runs)
+    python scripts/notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
+    python scripts/notebooks.py 02 --no-execute   # markdown-only change: keep the outputs
+
+Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
+what people edit and review. The ``.ipynb`` with outputs is what readers open and what nbval runs.
+Building one:
+
+1. reads the source and takes over the existing ``.ipynb``'s cell ids (jupytext matches the
+   cells), so an unchanged cell keeps its id and a diff shows what really changed;
+2. executes it top to bottom in a fresh kernel, in the full (non-smoke) mode: ``SMOKE_TEST`` is
+   removed from the kernel's environment; cells tagged ``raises-exception`` may raise, any other
+   error stops the build and leaves the ``.ipynb`` as it was;
+3. merges consecutive prints into one output, as Jupyter shows them, and writes it without
+   execution timestamps, so re-executing changes outputs only.
+
+Python and the kernel: the kernel is this interpreter's ``python3`` kernel and inherits its
+environment (``PYTHONPATH`` included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+from jupytext.combine import combine_inputs_with_outputs
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+SOURCE_FORMAT = "py:percent"
+# Cell metadata that says when a cell ran, not what it is: never committed.
+VOLATILE_CELL_METADATA = ("execution", "ExecuteTime")
+
+
+def sources(root: Path = REPO) -> list[Path]:
+    """The notebooks' sources, in course order (``notebooks/NN_*.py``)."""
+    return sorted((root / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+def notebook_of(source: Path) -> Path:
+    """``notebooks/02_x.py`` -> ``notebooks/02_x.ipynb``."""
+    return source.with_suffix(".ipynb")
+
+
+def read_source(source: Path) -> nbformat.NotebookNode:
+    return jupytext.read(source, fmt=SOURCE_FORMAT)
+
+
+def _compared(cell) -> tuple:
+    """What must agree between a notebook cell and its source cell: type, text, tags, metadata."""
+    metadata = {k: v for k, v in cell.metadata.items() if k not in VOLATILE_CELL_METADATA}
+    return cell.cell_type, cell.source, metadata
+
+
+def first_difference(notebook: nbformat.NotebookNode, source: nbformat.NotebookNode) -> str | None:
+    """None when the notebook's cells are its source's cells; else which cell differs, and how.
+
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    >>> src = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 2")])
+    >>> first_difference(nb, src)
+    "cell 1 (code): the notebook has 'x = 1', the source has 'x = 2'"
+    """
+    pairs = zip(notebook.cells, source.cells, strict=False)
+    for number, (ours, theirs) in enumerate(pairs, start=1):
+        if _compared(ours) == _compared(theirs):
+            continue
+        if ours.cell_type != theirs.cell_type:
+            what = f"the notebook has a {ours.cell_type} cell, the source a {theirs.cell_type} cell"
+        elif ours.source != theirs.source:
+            pairs = zip(ours.source.splitlines(), theirs.source.splitlines(), strict=False)
+            a, b = next(((a, b) for a, b in pairs if a != b), (ours.source, theirs.source))
+            what = f"the notebook has {a[:70]!r}, the source has {b[:70]!r}"
+        else:
+            what = (f"metadata: the notebook has {_compared(ours)[2]}, "
+                    f"the source has {_compared(theirs)[2]}")
+        return f"cell {number} ({ours.cell_type}): {what}"
+    if len(notebook.cells) != len(source.cells):
+        return (f"the notebook has {len(notebook.cells)} cells, "
+                f"the source has {len(source.cells)}")
+    return None
+
+
+def _strip_volatile(nb: nbformat.NotebookNode) -> None:
+    for cell in nb.cells:
+        for key in VOLATILE_CELL_METADATA:
+            cell.metadata.pop(key, None)
+    nb.metadata.pop("jupytext", None)  # the pairing lives in pyproject.toml, not in each notebook
+
+
+def assemble(source: Path) -> nbformat.NotebookNode:
+    """The source's cells, with the existing notebook's cell ids and outputs where cells match."""
+    nb = read_source(source)
+    target = notebook_of(source)
+    if target.exists():
+        nb = combine_inputs_with_outputs(nb, nbformat.read(target, as_version=4), fmt=SOURCE_FORMAT)
+    _strip_volatile(nb)
+    return nb
+
+
+def execute(nb: nbformat.NotebookNode, path: Path) -> None:
+    """Run every cell in a fresh kernel, in the notebook's folder, in the full mode."""
+    from nbclient import NotebookClient
+    from nbconvert.preprocessors import CoalesceStreamsPreprocessor
+
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    env = {k: v for k, v in os.environ.items() if k != "SMOKE_TEST"}
+    client = NotebookClient(nb, timeout=3600, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(path.parent)}})
+    client.execute(env=env)
+    # One stream output per flush run, as Jupyter shows it (and nbconvert --execute wrote it).
+    CoalesceStreamsPreprocessor().preprocess(nb, {})
+
+
+def build(source: Path, run: bool = True) -> None:
+    target = notebook_of(source)
+    nb = assemble(source)
+    if run:
+        started = time.monotonic()
+        execute(nb, target)
+        took = f"executed in {time.monotonic() - started:.0f} s"
+    else:
+        old = {c.id: c.source for c in nbformat.read(target, as_version=4).cells}
+        changed = [n for n, c in enumerate(nb.cells, start=1)
+                   if c.cell_type == "code" and old.get(c.get("id")) != c.source]
+        if changed:
+            raise SystemExit(f"{source.name}: code cells {changed} changed, so their outputs are "
+                             f"stale: build it without --no-execute")
+        took = "outputs kept (no code cell changed)"
+    _strip_volatile(nb)
+    nbformat.validate(nb)
+    nbformat.write(nb, target)
+    print(f"{target.relative_to(REPO)}: {took}", flush=True)
+
+
+def select(names: list[str], root: Path = REPO) -> list[Path]:
+    """``["02"]`` or ``["notebooks/02_x.ipynb"]`` -> the matching sources; all when empty."""
+    every = sources(root)
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        stem = Path(name).stem
+        match = [s for s in every if s.stem == stem or s.stem.startswith(f"{stem}_")]
+        if len(match) != 1:
+            raise SystemExit(f"{name!r}: expected one of {[s.stem[:2] for s in every]} "
+                             f"or a notebook's name, found {len(match)} matches")
+        chosen += match
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", help="NN or a notebook's name; default: all")
+    parser.add_argument("--no-execute", action="store_true",
+                        help="keep the outputs (refused when a code cell changed)")
+    args = parser.parse_args(argv)
+    for source in select(args.notebooks):
+        build(source, run=not args.no_execute)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

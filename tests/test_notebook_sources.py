@@ -1,0 +1,89 @@
+"""Each notebook is built from its jupytext source (notebooks/NN_*.py): they must not drift apart.
+
+A failure names the notebook and its first differing cell. Fix it by editing the source and
+rebuilding: ``make notebooks NB=NN`` (see the README's "Changing a notebook").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import nbformat
+import pytest
+
+from .conftest import REPO
+
+
+def _load_script():
+    path = REPO / "scripts" / "notebooks.py"
+    spec = importlib.util.spec_from_file_location("notebooks_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+notebooks = _load_script()
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_every_notebook_has_a_source_and_every_source_a_notebook():
+    assert NOTEBOOKS, "no notebooks found"
+    assert [p.stem for p in NOTEBOOKS] == [s.stem for s in notebooks.sources(REPO)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_matches_its_source(path):
+    source = path.with_suffix(".py")
+    difference = notebooks.first_difference(nbformat.read(path, as_version=4),
+                                            notebooks.read_source(source))
+    assert difference is None, (
+        f"{path.name} differs from its source {source.name}: {difference}. Edit the source, "
+        f"then rebuild: make notebooks NB={path.name[:2]}"
+    )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_execution_timestamps(path):
+    nb = json.loads(path.read_text())
+    stamped = [n for n, c in enumerate(nb["cells"], start=1)
+               if set(c["metadata"]) & set(notebooks.VOLATILE_CELL_METADATA)]
+    assert not stamped, f"{path.name}: cells {stamped} carry execution timestamps"
+
+
+def test_a_forgotten_sync_is_named():
+    """Editing one side alone is caught: the message gives the cell's number and the line."""
+    path = NOTEBOOKS[0]
+    nb = nbformat.read(path, as_version=4)
+    source = notebooks.read_source(path.with_suffix(".py"))
+    assert notebooks.first_difference(nb, source) is None
+    code = next(n for n, c in enumerate(nb.cells) if c.cell_type == "code")
+    first_line = nb.cells[code].source.splitlines()[0]
+    nb.cells[code].source = nb.cells[code].source.replace(first_line, "import sys", 1)
+    assert notebooks.first_difference(nb, source) == (
+        f"cell {code + 1} (code): the notebook has 'import sys', the source has {first_line!r}"
+    )
+    nb.cells[code] = source.cells[code]
+    nb.cells.append(nbformat.v4.new_markdown_cell("added to the notebook only"))
+    assert notebooks.first_difference(nb, source) == (
+        f"the notebook has {len(source.cells) + 1} cells, the source has {len(source.cells)}"
+    )
+
+
+def test_build_keeps_cell_ids_and_strips_timestamps(tmp_path):
+    """Rebuilding from an edited source: unchanged cells keep their ids, the edited one too."""
+    (tmp_path / "notebooks").mkdir()
+    path = NOTEBOOKS[0]
+    target = tmp_path / "notebooks" / path.name
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    nbformat.write(nb, target)
+    source = target.with_suffix(".py")
+    text = path.with_suffix(".py").read_text()
+    edited = text.replace("# %% [markdown]\n", "# %% [markdown]\n# A new first line.\n#\n", 1)
+    source.write_text(edited)
+    built = notebooks.assemble(source)
+    assert [c.id for c in built.cells] == [c.id for c in nb.cells]
+    assert built.cells[0].source.startswith("A new first line.")
+    assert "execution" not in built.cells[0].metadata
+    assert notebooks.first_difference(built, notebooks.read_source(source)) is None
