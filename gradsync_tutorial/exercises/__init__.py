@@ -10,16 +10,16 @@ computation, so it takes a second or two:
     ...     raise NotImplementedError  # the stub: the check says "not attempted yet"
     >>> gst.exercises.check_average_gradients_flat(average_gradients_flat)  # doctest: +SKIP
     ... not attempted yet: average_gradients_flat still raises NotImplementedError. ...
-    False
 
-Every ``check_<name>(fn)`` answers in one of three ways:
+Every ``check_<name>(fn)`` answers in one of three ways (it returns None: a notebook cell
+shows the status line only):
 
-* **correct**: it prints ``✓ correct: ...`` (what was verified) and returns ``True``;
+* **correct**: it prints ``✓ correct: ...`` (what was verified);
 * **wrong**: it raises :class:`ExerciseFailed`, an ``AssertionError`` whose message says
   precisely what is wrong and what to try, e.g. "your gradients are 2.0× the expected ones: did
   you divide by the world size?", so the notebook cell fails loudly;
 * **not attempted**: your function still raises ``NotImplementedError`` (the notebook's stub
-  does): it prints ``... not attempted yet`` and returns ``False``, without failing. So a
+  does): it prints ``... not attempted yet``, without failing. So a
   notebook runs top to bottom before you start the exercise (CI runs them that way).
 
 To see how a check counts your collective calls ("you called all_reduce 8 times; one call is

@@ -67,12 +67,12 @@ def _require_function(fn: Any, n_args: int, usage: str) -> None:
         ) from None
 
 
-def _passed(message: str) -> bool:
+def _passed(message: str) -> None:
+    # One status line; no return value, so a check cell shows no `True` under it.
     print(f"✓ correct: {message}")
-    return True
 
 
-def _not_attempted(fn: Any, exercise: str) -> bool:
+def _not_attempted(fn: Any, exercise: str) -> None:
     from . import EXERCISES  # the package's table of exercises (it imports this module)
 
     solution = EXERCISES[exercise].solution
@@ -82,7 +82,6 @@ def _not_attempted(fn: Any, exercise: str) -> bool:
         f"check again. Stuck? The reference solution: notebooks/solutions/{solution} "
         f"(in Jupyter: `%load solutions/{solution}`)."
     )
-    return False
 
 
 def _fail(message: str):

@@ -27,7 +27,7 @@ from ._common import (
 )
 
 
-def check_accumulate_gradients(accumulate_gradients: Callable, micro_batches: int = 4) -> bool:
+def check_accumulate_gradients(accumulate_gradients: Callable, micro_batches: int = 4) -> None:
     """Check ``accumulate_gradients(model, images, labels, micro_batches)``.
 
     It must leave in ``.grad`` the gradient of the *whole* batch's mean loss
@@ -51,7 +51,8 @@ def check_accumulate_gradients(accumulate_gradients: Callable, micro_batches: in
         ✓ correct: ...
         True
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/01_single_device_baseline.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame

@@ -51,7 +51,7 @@ def _broadcast_worker(rank: int, world_size: int, fn: Callable) -> Any:
 
 def check_broadcast_parameters(
     broadcast_parameters: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``broadcast_parameters(model)``: afterwards every rank holds rank 0's parameters.
 
     Runs it on ``world_size`` ranks whose models start from *different* seeds. Says which
@@ -67,7 +67,8 @@ def check_broadcast_parameters(
         ✓ correct: ...
         True
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/03_distributed_data_parallel.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame

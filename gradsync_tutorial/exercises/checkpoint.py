@@ -163,7 +163,7 @@ def _checkpoint_worker(rank: int, world_size: int, fn: Callable, path: str) -> A
 
 def check_save_checkpoint(
     save_checkpoint: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``save_checkpoint(path, model, optimizer, epochs_done)``: a run resumed from your
     file is exactly the run that never stopped.
 
@@ -186,7 +186,8 @@ def check_save_checkpoint(
         Traceback (most recent call last):
         ExerciseFailed: your checkpoint has no optimizer state: ...
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/06_from_notebook_to_torchrun.ipynb``.
     """
     import tempfile

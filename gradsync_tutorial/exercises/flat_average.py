@@ -46,7 +46,7 @@ def _average_flat_worker(rank: int, world_size: int, fn: Callable) -> Any:
 
 def check_average_gradients_flat(
     average_gradients_flat: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``average_gradients_flat(model)``: every rank ends with the mean of the ranks'
     gradients in ``.grad``, after **one** ``all_reduce``.
 
@@ -64,7 +64,8 @@ def check_average_gradients_flat(
         Traceback (most recent call last):
         ExerciseFailed: the gradients are right, but you called all_reduce 8 times; ...
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/02_manual_allreduce_averaging.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame

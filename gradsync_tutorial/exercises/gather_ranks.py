@@ -42,7 +42,7 @@ def _gather_ranks_worker(rank: int, world_size: int, fn: Callable) -> Any:
 
 def check_gather_ranks(
     gather_ranks: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``gather_ranks(rank, world_size)``: every rank returns ``[0, 1, ..., N - 1]``,
     learned from the other ranks with ``dist.all_gather``.
 
@@ -57,8 +57,9 @@ def check_gather_ranks(
         Traceback (most recent call last):
         ExerciseFailed: gather_ranks made no collective call: ...
 
-    Returns True (correct) or False (not attempted: it raises NotImplementedError); raises
-    :class:`ExerciseFailed` otherwise. Exercise of ``notebooks/00_launching_workers.ipynb``.
+    Prints one status line and returns None, correct or not attempted (it raises
+    NotImplementedError); raises :class:`ExerciseFailed` otherwise. Exercise of
+    ``notebooks/00_launching_workers.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
     _require_function(gather_ranks, 2, "gather_ranks(rank, world_size)")

@@ -64,7 +64,7 @@ def _same(a: float, b: float) -> bool:
 
 def check_global_mean_loss(
     global_mean_loss: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``global_mean_loss(losses) -> float``: the mean loss over *every* rank's samples,
     the same float on every rank, when the ranks hold different numbers of samples.
 
@@ -83,7 +83,8 @@ def check_global_mean_loss(
         Traceback (most recent call last):
         ExerciseFailed: every rank returned 1.36..., the mean of the ranks' means; ...
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/04_pitfalls.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame

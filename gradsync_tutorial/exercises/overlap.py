@@ -66,7 +66,7 @@ def _overlap_worker(rank: int, world_size: int, fn: Callable) -> Any:
 
 def check_average_overlapped(
     average_overlapped: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> bool:
+) -> None:
     """Check ``average_overlapped(model) -> finish``: hooks that start every gradient's
     ``all_reduce`` asynchronously *during* backward, and a ``finish()`` that waits and divides.
 
@@ -89,7 +89,8 @@ def check_average_overlapped(
         Traceback (most recent call last):
         ExerciseFailed: no all_reduce started during backward: ...
 
-    Returns True (correct) or False (not attempted); raises :class:`ExerciseFailed` otherwise.
+    Prints one status line and returns None, correct or not attempted; raises
+    :class:`ExerciseFailed` otherwise.
     Exercise of ``notebooks/05_performance.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
