@@ -11,7 +11,7 @@ is normalized once, ``(pixel / 255 - mean) / std``, and a batch is just ``images
 keeps the notebooks about gradient averaging, and it makes a rank's share of the data easy to
 see: ``images[rank::world_size]``.
 
-Where the files come from, in this order (:func:`prepare`):
+Where the files come from, in this order (:func:`ensure_files`):
 
 1. the unpacked IDX files under ``ROOT/FashionMNIST/raw/`` (``ROOT/MNIST/raw/`` for MNIST),
    read with torchvision's own dataset class, so the folder layout is torchvision's;
@@ -44,7 +44,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "load", "main", "prepare", "resolve_root"]
+__all__ = [
+    "DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "ensure_files", "load", "main", "resolve_root",
+]
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def _missing(raw: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Getting the raw files: prepare()
+# Getting the raw files: ensure_files()
 # --------------------------------------------------------------------------------------------
 
 
@@ -218,7 +220,7 @@ def _not_found_message(key: str, info: DatasetInfo, root: Path, download: bool,
     ).rstrip()
 
 
-def prepare(
+def ensure_files(
     dataset: str = "fashion-mnist",
     root: str | os.PathLike[str] | None = None,
     download: bool = True,
@@ -231,7 +233,7 @@ def prepare(
 
     Example:
         >>> from gradsync_tutorial import data
-        >>> data.prepare()                                  # doctest: +SKIP
+        >>> data.ensure_files()                             # doctest: +SKIP
         PosixPath('.../data/FashionMNIST/raw')
 
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
@@ -272,7 +274,7 @@ def _read(key: str, train: bool, root: str) -> tuple[torch.Tensor, torch.Tensor]
         raise RuntimeError(
             f"could not read {info.title} from {Path(root) / info.folder / 'raw'}: "
             f"{type(e).__name__}: {e}. A file may be truncated (an interrupted download?): "
-            "delete that folder and call load() or prepare() again."
+            "delete that folder and call load() or ensure_files() again."
         ) from e
     # One vectorized pass over all pixels, instead of a transform per image:
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28) in [0, 1] -> mean ~0, std ~1.
@@ -294,7 +296,7 @@ def load(
         train: the 60,000 training images if True, else the 10,000 test images.
         root: the data folder; default :data:`DEFAULT_ROOT` (or ``$GRADSYNC_DATA``).
         download: allow torchvision's download if the files are not there yet
-            (see :func:`prepare` for the order in which sources are tried).
+            (see :func:`ensure_files` for the order in which sources are tried).
 
     Returns:
         ``images``: float32, shape ``(N, 1, 28, 28)``, ``(pixel / 255 - mean) / std`` with the
@@ -317,7 +319,7 @@ def load(
     """
     key, _ = _info(dataset)
     resolved = resolve_root(root)
-    prepare(key, resolved, download=download)  # four file checks when the files are there
+    ensure_files(key, resolved, download=download)  # four file checks when the files are there
     return _read(key, bool(train), str(resolved))
 
 
@@ -345,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        raw = prepare(args.dataset, args.root, download=args.download)
+        raw = ensure_files(args.dataset, args.root, download=args.download)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -222,7 +222,7 @@ def check_data() -> Check:
     from . import data
 
     try:
-        raw = data.prepare("fashion-mnist", download=False)
+        raw = data.ensure_files("fashion-mnist", download=False)
         images, _ = data.load("fashion-mnist", train=False, download=False)
     except FileNotFoundError as e:
         root = data.resolve_root(None)

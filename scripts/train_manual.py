@@ -40,7 +40,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from gradsync_tutorial import local_device
 from gradsync_tutorial.checks import max_diff_across_ranks
-from gradsync_tutorial.data import DATASETS, load, prepare
+from gradsync_tutorial.data import DATASETS, ensure_files, load
 from gradsync_tutorial.model import Net
 
 MOMENTUM = 0.5
@@ -161,7 +161,7 @@ def train(args: argparse.Namespace) -> dict:
 
     # One download per machine: local rank 0 fetches the files, the others wait, then all read.
     if int(os.environ["LOCAL_RANK"]) == 0:
-        prepare(args.dataset, root=args.data_root)
+        ensure_files(args.dataset, root=args.data_root)
     dist.barrier()
     images, labels = load(args.dataset, root=args.data_root, download=False)
     if args.smoke:

@@ -120,7 +120,7 @@ def test_present_files_need_neither_download_nor_system_copy(tmp_path, fake, mon
     write_unpacked(tmp_path / "FashionMNIST" / "raw", fake[1])
     monkeypatch.setattr(data, "_try_download", lambda *a: pytest.fail("tried to download"))
     monkeypatch.setattr(data, "_unpack_system_copy", lambda *a: pytest.fail("tried Debian"))
-    assert data.prepare(root=tmp_path, download=True) == tmp_path / "FashionMNIST" / "raw"
+    assert data.ensure_files(root=tmp_path, download=True) == tmp_path / "FashionMNIST" / "raw"
 
 
 def test_truncated_file_gets_a_clear_error(tmp_path, fake):
@@ -166,7 +166,7 @@ def test_download_is_tried_before_the_debian_copy(tmp_path, fake, monkeypatch):
         return "URLError: <urlopen error [Errno -2] Name or service not known>"
 
     monkeypatch.setattr(data, "_try_download", offline)
-    raw = data.prepare(root=tmp_path / "root", download=True)
+    raw = data.ensure_files(root=tmp_path / "root", download=True)
     assert calls == [("download", "FashionMNIST", tmp_path / "root")]
     assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)
 
@@ -178,7 +178,7 @@ def test_debian_copy_fills_only_missing_files(tmp_path, fake, monkeypatch):
     raw = tmp_path / "root" / "FashionMNIST" / "raw"
     write_unpacked(raw, {"train-images-idx3-ubyte": fake[1]["train-images-idx3-ubyte"]})
     before = (raw / "train-images-idx3-ubyte").stat().st_mtime_ns
-    data.prepare(root=tmp_path / "root", download=False)
+    data.ensure_files(root=tmp_path / "root", download=False)
     assert (raw / "train-images-idx3-ubyte").stat().st_mtime_ns == before
     assert sorted(p.name for p in raw.iterdir()) == sorted(FILES)
 
@@ -219,7 +219,7 @@ def test_nothing_anywhere_names_every_option(tmp_path, monkeypatch):
 def test_failed_download_reason_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "_try_download", lambda info, root: "URLError: no network")
     with pytest.raises(FileNotFoundError, match="failed: URLError: no network"):
-        data.prepare("mnist", root=tmp_path, download=True)
+        data.ensure_files("mnist", root=tmp_path, download=True)
 
 
 def test_unknown_dataset(tmp_path):
