@@ -43,12 +43,14 @@ stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised.
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import os
 import socket
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -335,8 +337,8 @@ def launch(
     except _Deadline:
         workers.stop()
         workers.drain(state, lambda: True, 0)
-        raise _timeout_error(state, world_size, timeout, startup,
-                             started=all(workers.conns)) from None
+        raise _shown_from_caller(_timeout_error(state, world_size, timeout, startup,
+                                                started=all(workers.conns))) from None
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
         _stop_despite_interrupts(workers)
         raise
@@ -357,12 +359,43 @@ def launch(
         workers.stop()
         workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
         error = _failure(state, first, _source_files(fn, args))
-        raise error from error.__cause__  # the rank's exception, when it could be rebuilt
+        # from: the rank's exception, when it could be rebuilt
+        raise _shown_from_caller(error) from error.__cause__
 
     _give_back(workers, reuse_workers)
     import cloudpickle
 
     return [cloudpickle.loads(state.results[rank]) for rank in range(world_size)]
+
+
+def _shown_from_caller(error: LaunchError) -> LaunchError:
+    """``error``, set to show in IPython from the caller's line, without the launcher's frames.
+
+    IPython hides the frames that set ``__tracebackhide__`` except the last one, the line that
+    raised: ``launcher.py: raise error ...`` under the reader's cell. An exception that has a
+    ``_render_traceback_`` is shown by it instead (IPython's hook; ipyparallel's remote errors
+    use it), so give this one a traceback without any hidden frame. pytest honours
+    ``__tracebackhide__`` itself, and plain Python shows the whole traceback.
+    """
+    error._render_traceback_ = functools.partial(_render_from_caller, error)
+    return error
+
+
+def _render_from_caller(error: BaseException) -> list[str]:
+    """IPython's own rendering of ``error``, its ``__tracebackhide__`` frames left out."""
+    from IPython import get_ipython
+
+    kept = []
+    tb = error.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__"):
+            kept.append(tb)
+        tb = tb.tb_next
+    shown = None
+    for tb in reversed(kept):
+        shown = types.TracebackType(shown, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
+    return get_ipython().InteractiveTB.structured_traceback(type(error), error, shown,
+                                                            tb_offset=0)
 
 
 def _stop_despite_interrupts(workers: _Workers) -> None:
