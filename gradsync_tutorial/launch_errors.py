@@ -163,7 +163,7 @@ def _with_source_lines(tb: str, sources: dict[str, str]) -> str:
         if path is None:
             return match.group(0)
         text = linecache.getline(path, line).strip()
-        return f'File "{path}", line {line}, in {name}' + (f"\n    {text}" if text else "")
+        return f"{_file_label(path)}, line {line}, in {name}" + (f"\n    {text}" if text else "")
 
     return re.sub(r'File "<dynamic-code>", line (\d+), in (\S+)', fix, tb)
 
@@ -172,3 +172,15 @@ def _ranks(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks))
+
+
+def _file_label(path: str) -> str:
+    """``Cell In[3]`` for a notebook cell, as IPython names it (its file is a temporary path of
+    the kernel's), else ``File "path"``."""
+    try:
+        from IPython import get_ipython
+
+        label = get_ipython().compile.format_code_name(path)
+    except Exception:  # noqa: BLE001 - no IPython, or not a cell: the plain form
+        label = None
+    return f"{label[0]} {label[1]}" if label else f'File "{path}"'

@@ -177,6 +177,7 @@ def test_function_defined_in_a_notebook_cell():
     # The reader's line and the rank's traceback, nothing of the launcher (IPython would show
     # the line that raised, though hidden): no "During handling of ..." chain, no helper frames.
     assert "1 / 0" in shown and "gst.launch(lambda" in shown
+    assert "Cell In[3], line 1, in <lambda>" in error["evalue"]  # not the kernel's temp file
     assert "launcher.py" not in shown and "gradsync_tutorial" not in shown, shown
     assert "During handling" not in shown
 
