@@ -44,9 +44,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = [
-    "DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "ensure_files", "load", "main", "resolve_root",
-]
+__all__ = ["DATASETS", "DEBIAN_DIRS", "DEFAULT_ROOT", "DataError", "ensure_files", "load",
+           "main", "resolve_root", "verify"]
+
+
+class DataError(RuntimeError):
+    """The data files are there but cannot be used (or cannot be written): ``problem`` names
+    the file and what is wrong with it, ``fix`` says what to do."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}\nfix: {fix}")
+        self.problem, self.fix = problem, fix
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,91 @@ def _raw_dir(info: DatasetInfo, root: Path) -> Path:
 
 def _missing(raw: Path) -> list[str]:
     return [name for name in RAW_FILES if not (raw / name).is_file()]
+
+
+def _data_command(key: str, root: Path) -> str:
+    """The command that fetches or unpacks ``key`` into ``root``, as the user would type it."""
+    flags = "" if key == "fashion-mnist" else f" --dataset {key}"
+    if root != resolve_root(None):
+        flags += f" --root {root}"
+    return f"python -m gradsync_tutorial.data{flags}"
+
+
+# --------------------------------------------------------------------------------------------
+# Are the files what they should be? verify()
+# --------------------------------------------------------------------------------------------
+
+# An IDX file starts with a magic number (0x0803: unsigned bytes, 3 dimensions, for images;
+# 0x0801, 1 dimension, for labels), then one big-endian uint32 per dimension, then the bytes.
+_MAGIC = {3: 0x00000803, 1: 0x00000801}
+
+
+def _idx_shape(path: Path, redo: str) -> tuple[int, ...]:
+    """The shape an IDX file's header announces, after checking that the file matches it.
+
+    Reads 16 bytes and the file's size, so it is cheap enough for every :func:`load`.
+    ``redo`` is the fix for a damaged file. Raises :class:`DataError` naming ``path``.
+    """
+    dims = 3 if "images" in path.name else 1
+    kind = "images" if dims == 3 else "labels"
+    size = path.stat().st_size
+    fix = f"delete {path} and run `{redo}` again, which fetches or unpacks it anew."
+    if size == 0:
+        raise DataError(f"{path} is empty (an interrupted download or copy?).", fix)
+    with open(path, "rb") as f:
+        head = f.read(4 + 4 * dims)
+    if head[:2] == b"\x1f\x8b":  # gzip's own magic number
+        raise DataError(
+            f"{path} is still gzip-compressed: torchvision reads the unpacked IDX bytes.",
+            f"unpack it in place (`mv {path} {path}.gz && gunzip {path}.gz`), or {fix}",
+        )
+    magic = int.from_bytes(head[:4], "big")
+    if magic != _MAGIC[dims]:
+        raise DataError(
+            f"{path} is not an IDX file of {kind}: it starts with {head[:4].hex(' ')}, "
+            f"not the magic number {_MAGIC[dims]:08x} (a wrong or damaged file).", fix)
+    if len(head) < 4 + 4 * dims:
+        raise DataError(f"{path} is truncated: {size} bytes, not even a whole header.", fix)
+    shape = tuple(int.from_bytes(head[4 + 4 * i:8 + 4 * i], "big") for i in range(dims))
+    expected = len(head) + int(torch.tensor(shape).prod())
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise DataError(
+            f"{path} is {what}: {size:,} bytes, where its header announces {shape[0]:,} {kind} "
+            f"({expected:,} bytes).", fix)
+    return shape
+
+
+def verify(dataset: str = "fashion-mnist", root: str | os.PathLike[str] | None = None
+           ) -> dict[str, tuple[int, ...]]:
+    """Check the four unpacked IDX files: present, unpacked, whole, and with as many labels
+    as images. Returns each file's shape, e.g. ``{"train-images-idx3-ubyte": (60000, 28,
+    28), ...}``; raises :class:`DataError` naming the file and the fix, or
+    :class:`FileNotFoundError` if a file is missing.
+
+    Reads only the files' headers and sizes: :func:`ensure_files` calls it every time.
+
+        >>> from gradsync_tutorial import data
+        >>> data.verify()["t10k-labels-idx1-ubyte"]          # doctest: +SKIP
+        (10000,)
+    """
+    key, info = _info(dataset)
+    root = resolve_root(root)
+    raw = _raw_dir(info, root)
+    missing = _missing(raw)
+    if missing:
+        raise FileNotFoundError(f"{info.title}: missing {', '.join(missing)} in {raw}/.")
+    redo = _data_command(key, root)
+    shapes = {name: _idx_shape(raw / name, redo) for name in RAW_FILES}
+    for split in ("train", "t10k"):
+        images, labels = shapes[f"{split}-images-idx3-ubyte"], shapes[f"{split}-labels-idx1-ubyte"]
+        if images[0] != labels[0]:
+            raise DataError(
+                f"{raw / f'{split}-images-idx3-ubyte'} holds {images[0]:,} images but "
+                f"{raw / f'{split}-labels-idx1-ubyte'} holds {labels[0]:,} labels: the two "
+                "files come from different copies.",
+                f"delete both and run `{redo}` again.")
+    return shapes
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,15 +335,27 @@ def ensure_files(
     root = resolve_root(root)
     raw = _raw_dir(info, root)
     if not _missing(raw):  # 1. already there
+        verify(key, root)
         return raw
     download_error = None
     if download:  # 2. torchvision's download
         download_error = _try_download(info, root)
         if not _missing(raw):
+            verify(key, root)
             return raw
         if download_error is None:  # "succeeded" but left files missing: say so
             download_error = "finished without writing every file"
-    if _unpack_system_copy(key, raw) is not None and not _missing(raw):  # 3. Debian's copy
+    try:
+        unpacked = _unpack_system_copy(key, raw)  # 3. Debian's copy
+    except PermissionError as e:
+        raise DataError(
+            f"cannot write the unpacked files into {raw}/: {e.strerror or e} "
+            f"({e.filename or raw}).",
+            f"point GRADSYNC_DATA at a folder you may write to (or pass root= / --root), or "
+            f"ask the owner of {root} to run `{_data_command(key, root)}` once.",
+        ) from None
+    if unpacked is not None and not _missing(raw):
+        verify(key, root)
         return raw
     raise FileNotFoundError(_not_found_message(key, info, root, download, download_error))
 
@@ -271,10 +376,11 @@ def _read(key: str, train: bool, root: str) -> tuple[torch.Tensor, torch.Tensor]
         # download=False: torchvision only reads the unpacked IDX files (uint8, N x 28 x 28).
         ds = cls(root, train=train, download=False)
     except (AssertionError, RuntimeError, TypeError, ValueError) as e:
-        raise RuntimeError(
-            f"could not read {info.title} from {Path(root) / info.folder / 'raw'}: "
-            f"{type(e).__name__}: {e}. A file may be truncated (an interrupted download?): "
-            "delete that folder and call load() or ensure_files() again."
+        raw = Path(root) / info.folder / "raw"
+        raise DataError(
+            f"could not read {info.title} from {raw}: {type(e).__name__}: {e}. A file may be "
+            "truncated (an interrupted download?).",
+            f"delete {raw} and run `{_data_command(key, Path(root))}` again.",
         ) from e
     # One vectorized pass over all pixels, instead of a transform per image:
     # uint8 (N, 28, 28) -> float32 (N, 1, 28, 28) in [0, 1] -> mean ~0, std ~1.
@@ -348,13 +454,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         raw = ensure_files(args.dataset, args.root, download=args.download)
-    except FileNotFoundError as e:
+        splits = {split: load(args.dataset, train=train, root=args.root, download=False)
+                  for train, split in ((True, "train"), (False, "test"))}
+    except (FileNotFoundError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    title = DATASETS[args.dataset].title
-    print(f"{title} is ready in {raw}")
-    for train, split in ((True, "train"), (False, "test")):
-        images, labels = load(args.dataset, train=train, root=args.root, download=False)
+    print(f"{DATASETS[args.dataset].title} is ready in {raw}")  # only once both splits loaded
+    for split, (images, labels) in splits.items():
         print(f"  {split:5}: {len(images):6} images {tuple(images.shape[1:])}, "
               f"{labels.unique().numel()} classes")
     return 0

@@ -29,8 +29,10 @@ Introduced in ``notebooks/04_pitfalls.ipynb``.
 from __future__ import annotations
 
 import functools
-from collections import Counter
-from collections.abc import Callable, Sequence
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,18 +255,29 @@ DDP_KEY = "ddp_bucket_allreduce"
 
 
 class CollectiveCounter:
-    """Counts of collective calls by name; what :func:`count_collectives` returns.
+    """Counts, by name, the collective calls made while a ``with`` block runs.
 
-    ``counter["all_reduce"]`` is the number of ``dist.all_reduce`` calls seen (0 if none),
+    What :func:`count_collectives` returns (the exercises' checks use it too).
+    ``counter["all_reduce"]`` is the number of ``all_reduce`` calls seen (0 if none),
     ``counter[DDP_KEY]`` (``"ddp_bucket_allreduce"``) the number of gradient buckets that
     watched DDP models all-reduced, ``counter.total`` the sum, ``counter.calls`` a
-    ``collections.Counter`` of them all. ``counter.reset()`` sets everything to zero.
+    ``collections.Counter`` of them all, ``counter.arguments["all_reduce"]`` the
+    ``(args, kwargs)`` of each of those calls, in order. ``counter.reset()`` forgets them all.
+
+    While active, each function named in :data:`COUNTED_FUNCTIONS` is replaced by a counting
+    wrapper wherever a reference to it is kept: in ``torch.distributed``, in its
+    ``distributed_c10d`` module, and in the globals of the ``functions`` you pass (where
+    ``from torch.distributed import all_reduce`` put a reference of its own). A collective
+    that calls another one (``all_gather_object`` calls ``all_gather``) counts once, as the
+    outer call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *functions: Callable) -> None:
+        self.functions = functions
         self.calls: Counter = Counter()
-        self._saved: dict[str, Callable] = {}
-        self._in_ddp_hook = 0  # > 0 while a watched DDP hook runs: its calls count as DDP's
+        self.arguments: dict[str, list[tuple[tuple, dict]]] = defaultdict(list)
+        self._local = threading.local()  # .depth > 0: inside a counted call (or a DDP hook)
+        self._undo: list | None = None
 
     def __getitem__(self, name: str) -> int:
         return self.calls[name]
@@ -275,6 +288,7 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.calls.clear()
+        self.arguments.clear()
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in sorted(self.calls.items()))
@@ -282,29 +296,44 @@ class CollectiveCounter:
 
     # -- the torch.distributed functions -------------------------------------------------------
 
+    @contextmanager
+    def _inside(self) -> Iterator[bool]:
+        """Yields True for an outer call, False for one made inside another (or a DDP hook)."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield depth == 0
+        finally:
+            self._local.depth = depth
+
     def _wrap(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def counted(*args, **kwargs):
-            if not self._in_ddp_hook:
-                self.calls[name] += 1
-            return original(*args, **kwargs)
+            with self._inside() as outer:
+                if outer:
+                    self.calls[name] += 1
+                    self.arguments[name].append((args, kwargs))
+                return original(*args, **kwargs)
 
         return counted
 
     def __enter__(self) -> CollectiveCounter:
-        if self._saved:
+        from torch.distributed import distributed_c10d
+
+        if self._undo is not None:
             raise RuntimeError("this CollectiveCounter is already counting; use a new one.")
+        wrappers = {}
         for name in COUNTED_FUNCTIONS:
-            original = getattr(dist, name, None)
+            original = getattr(distributed_c10d, name, getattr(dist, name, None))
             if original is not None:
-                self._saved[name] = original
-                setattr(dist, name, self._wrap(name, original))
+                wrappers[id(original)] = self._wrap(name, original)
+        namespaces = [vars(dist), vars(distributed_c10d)]
+        self._undo = _swap_in(wrappers, namespaces, self.functions)
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved.clear()
+        _swap_back(self._undo or [])
+        self._undo = None
 
     # -- DDP -------------------------------------------------------------------------------------
 
@@ -330,26 +359,52 @@ class CollectiveCounter:
 
         def counting_hook(hook_state, bucket):
             self.calls[DDP_KEY] += 1
-            self._in_ddp_hook += 1  # the hook's own dist.all_reduce is this same bucket
-            try:
+            with self._inside():  # the hook's own dist.all_reduce is this same bucket
                 return hook(hook_state, bucket)  # it only starts the all-reduce: no waiting
-            finally:
-                self._in_ddp_hook -= 1
 
         ddp_model.register_comm_hook(state, counting_hook)
         return ddp_model
 
 
-def count_collectives() -> CollectiveCounter:
+def _swap_in(replacements: dict[int, Any], namespaces: list[dict],
+             functions: Sequence[Any] = ()) -> list[tuple]:
+    """Put ``replacements[id(value)]`` in place of every such value in ``namespaces`` and in
+    the globals of ``functions`` (where ``from torch.distributed import all_reduce`` or
+    ``from torch import save`` put a reference of its own).
+
+    Returns what :func:`_swap_back` needs to put the originals back.
+    """
+    namespaces = list(namespaces)
+    for fn in functions:
+        fn_globals = getattr(fn, "__globals__", None)
+        if isinstance(fn_globals, dict) and all(fn_globals is not n for n in namespaces):
+            namespaces.append(fn_globals)
+    undo = []
+    for namespace in namespaces:
+        for key, value in list(namespace.items()):
+            replacement = replacements.get(id(value))
+            if replacement is not None:
+                undo.append((namespace, key, value))
+                namespace[key] = replacement
+    return undo
+
+
+def _swap_back(undo: list[tuple]) -> None:
+    for namespace, key, value in reversed(undo):
+        namespace[key] = value
+
+
+def count_collectives(*functions: Callable) -> CollectiveCounter:
     """Inside the ranks: count the collective calls made while a ``with`` block runs.
 
-    While active, it replaces the functions named in :data:`COUNTED_FUNCTIONS` on the
-    ``torch.distributed`` module with counting wrappers (and puts the originals back on exit).
-    So it counts every call made *through the module*, ``dist.all_reduce(...)``, by your code
-    or by any library that calls it that way (``gst.checks``, ``Join``), once per call whatever
-    the tensor's size. It does not see calls made through a name imported before the block
-    (``from torch.distributed import all_reduce``), calls that torch makes internally, or
-    DDP's gradient all-reduces: for those, ``counter.watch(ddp_model)`` (see
+    While active, it replaces the functions named in :data:`COUNTED_FUNCTIONS` with counting
+    wrappers in ``torch.distributed`` (and puts the originals back on exit). So it counts
+    every call made *through the module*, ``dist.all_reduce(...)``, by your code or by any
+    library that calls it that way (``gst.checks``, ``Join``), once per call whatever the
+    tensor's size; a collective that torch implements with another one counts once. Calls
+    through a name imported before the block (``from torch.distributed import all_reduce``)
+    are counted in the ``functions`` you pass (their module's globals). DDP's gradient
+    all-reduces are not ``dist.*`` calls: count them with ``counter.watch(ddp_model)`` (see
     :meth:`CollectiveCounter.watch`).
 
     Example (in a function run by ``gst.launch``):
@@ -365,4 +420,4 @@ def count_collectives() -> CollectiveCounter:
 
     Introduced in ``notebooks/04_pitfalls.ipynb``.
     """
-    return CollectiveCounter()
+    return CollectiveCounter(*functions)

@@ -218,12 +218,16 @@ def check_backends() -> Check:
 
 
 def check_data() -> Check:
-    """Fashion-MNIST on disk and readable. Never downloads (unpacks a system copy, if any)."""
+    """Fashion-MNIST on disk, every file whole. Never downloads (unpacks a system copy, if any).
+
+    Checks all four files (train and test, images and labels): present, unpacked, as long as
+    their headers say, as many labels as images.
+    """
     from . import data
 
     try:
-        raw = data.ensure_files("fashion-mnist", download=False)
-        images, _ = data.load("fashion-mnist", train=False, download=False)
+        raw = data.ensure_files("fashion-mnist", download=False)  # verifies every file
+        shapes = data.verify("fashion-mnist")
     except FileNotFoundError as e:
         root = data.resolve_root(None)
         lines = str(e).splitlines()
@@ -234,11 +238,11 @@ def check_data() -> Check:
             "internet; for an offline workshop copy the instructor's prepared data/ folder to "
             f"{root}, or point the GRADSYNC_DATA environment variable at a copy.",
         )
-    except RuntimeError as e:  # present but unreadable: a truncated download
-        return Check("data", "FAIL", str(e).split(". ")[0],
-                     "delete the data folder named above and run `make data` again.")
-    return Check("data", "ok", f"Fashion-MNIST in {raw} (test split read: {len(images):,} "
-                 "images)")
+    except data.DataError as e:  # present but unusable: named file, and what to do
+        return Check("data", "FAIL", e.problem, e.fix)
+    train, test = shapes["train-images-idx3-ubyte"][0], shapes["t10k-images-idx3-ubyte"][0]
+    return Check("data", "ok", f"Fashion-MNIST in {raw} (4 files checked: {train:,} training "
+                 f"and {test:,} test images)")
 
 
 def _network_fix() -> str:

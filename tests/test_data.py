@@ -32,6 +32,11 @@ def idx_labels(labels: np.ndarray) -> bytes:
 @pytest.fixture
 def fake():
     """Six training and four test images with known pixels and labels."""
+    return fake_files()
+
+
+def fake_files() -> tuple[dict, dict]:
+    """(arrays, IDX bytes) of six training and four test images, by file name."""
     rng = np.random.default_rng(0)
     arrays = {
         "train-images-idx3-ubyte": rng.integers(0, 256, (6, 28, 28), dtype=np.uint8),
@@ -130,6 +135,73 @@ def test_truncated_file_gets_a_clear_error(tmp_path, fake):
     (raw / "train-images-idx3-ubyte").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(RuntimeError, match="truncated"):
         data.load(root=tmp_path, download=False)
+
+
+def _damage(kind: str, raw: Path, blobs: dict) -> None:
+    """Spoil the unpacked files in ``raw`` the way ``kind`` says (see DAMAGES)."""
+    images = raw / "train-images-idx3-ubyte"
+    blob = blobs["train-images-idx3-ubyte"]
+    if kind == "half of the training images":
+        images.write_bytes(blob[: len(blob) // 2])
+    elif kind == "still gzipped":
+        images.write_bytes(gzip.compress(blob))
+    elif kind == "bad magic number":
+        images.write_bytes(b"<!DOCTYPE html>" + blob[15:])  # a saved error page, say
+    elif kind == "empty":
+        images.write_bytes(b"")
+    elif kind == "longer than its header":
+        images.write_bytes(blob + b"\0" * 784)
+    elif kind == "labels of another copy":
+        (raw / "train-labels-idx1-ubyte").write_bytes(idx_labels(np.zeros(5, dtype=np.uint8)))
+
+
+#: Each damage: the file the message must name, and what it must say about it.
+DAMAGES = {
+    "half of the training images": ("train-images-idx3-ubyte",
+                                    r"is truncated: 2,360 bytes, where its header announces 6 "
+                                    r"images \(4,720 bytes\)"),
+    "still gzipped": ("train-images-idx3-ubyte", r"is still gzip-compressed(?s:.*)gunzip"),
+    "bad magic number": ("train-images-idx3-ubyte", r"is not an IDX file of images: it starts "
+                                                    r"with 3c 21 44 4f, not the magic number "
+                                                    r"00000803"),
+    "empty": ("train-images-idx3-ubyte", r"is empty"),
+    "longer than its header": ("train-images-idx3-ubyte", r"is longer than its header says"),
+    "labels of another copy": ("train-labels-idx1-ubyte", r"holds 6 images but .* holds 5 "
+                                                          r"labels(?s:.*)delete both"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_file_is_named_with_its_fix(tmp_path, fake, damage):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    write_unpacked(raw, fake[1])
+    _damage(damage, raw, fake[1])
+    name, message = DAMAGES[damage]
+    with pytest.raises(data.DataError, match=message) as info:
+        data.load(root=tmp_path, download=False)
+    assert str(raw / name) in info.value.problem
+    assert f"python -m gradsync_tutorial.data --root {tmp_path.resolve()}" in info.value.fix
+    with pytest.raises(data.DataError, match=message):  # the test split alone is refused too
+        data.load(train=False, root=tmp_path, download=False)
+
+
+def test_an_unwritable_root_is_named_with_its_fix(tmp_path, fake, monkeypatch):
+    debian = tmp_path / "debian"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+    root = tmp_path / "read-only"
+
+    def no_write(dir, **kwargs):  # what mkstemp meets in a folder this user may not write
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    monkeypatch.setattr(data.tempfile, "mkstemp", no_write)
+    with pytest.raises(data.DataError) as info:
+        data.ensure_files(root=root, download=False)
+    raw = root / "FashionMNIST" / "raw"
+    assert info.value.problem == (f"cannot write the unpacked files into {raw}/: Permission "
+                                  f"denied ({raw}).")
+    assert "GRADSYNC_DATA" in info.value.fix and "--root" in info.value.fix
+    assert data.main(["--root", str(root), "--no-download"]) == 1  # the CLI: a message
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,6 +331,18 @@ def test_cli_prepares_from_the_debian_copy(tmp_path, fake, monkeypatch, capsys):
     assert "train:      6 images (1, 28, 28)" in out
     assert "test :      4 images (1, 28, 28)" in out
     assert sorted(p.name for p in (root / "FashionMNIST" / "raw").iterdir()) == sorted(FILES)
+
+
+@pytest.mark.parametrize("damage", ["half of the training images", "labels of another copy"])
+def test_cli_never_says_ready_about_damaged_files(tmp_path, fake, capsys, damage):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    write_unpacked(raw, fake[1])
+    _damage(damage, raw, fake[1])
+    assert data.main(["--root", str(tmp_path), "--no-download"]) == 1
+    out, err = capsys.readouterr()
+    assert "ready" not in out
+    assert err.startswith(f"error: {raw / DAMAGES[damage][0]}") or DAMAGES[damage][0] in err
+    assert "\nfix: " in err and "Traceback" not in err
 
 
 def test_cli_reports_missing_data(tmp_path, capsys):

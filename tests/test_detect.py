@@ -6,6 +6,7 @@ launch uses world_size=2, so the later ones reuse the first one's worker process
 
 import pytest
 import torch
+from torch.distributed import all_reduce as imported_all_reduce
 from torch.utils.data import DistributedSampler
 
 import gradsync_tutorial as gst
@@ -169,6 +170,19 @@ def test_counter_counts_dist_calls_and_ddp_buckets():
             pass
         out["restored_after_error"] = dist.all_reduce is original
 
+        # A name imported before the block is counted in the functions passed; a collective
+        # that torch builds on another (all_gather_object on all_gather) counts once; the
+        # arguments of every call are kept.
+        def imports_its_own(t):
+            imported_all_reduce(t)
+
+        with detect.count_collectives(imports_its_own) as own:
+            imports_its_own(torch.ones(2))
+            dist.all_gather_object([None] * world_size, rank)
+        out["own"] = dict(own.calls)
+        out["own_args"] = [args[0].tolist() for args, _ in own.arguments["all_reduce"]]
+        out["own_restored"] = imports_its_own.__globals__["imported_all_reduce"] is original
+
         # DDP: one bucket all-reduce per backward; none under no_sync(); no dist.* calls.
         ddp = DDP(Net().eval())  # 21,840 parameters: one bucket (the default cap is 25 MB)
         with detect.count_collectives() as ddp_calls:
@@ -189,6 +203,8 @@ def test_counter_counts_dist_calls_and_ddp_buckets():
     results = gst.launch(run, world_size=2, backend="gloo", timeout=120)
     for out in results:
         assert out["patched"] and out["restored"] and out["restored_after_error"]
+        assert out["own"] == {"all_reduce": 1, "all_gather_object": 1}
+        assert out["own_args"] == [[2.0, 2.0]] and out["own_restored"]  # the tensor itself
         assert out["once"] == out["params"] == 8
         assert out["every"] == 4 * out["params"]  # the planted waste is counted
         calls = out["calls"]

@@ -7,6 +7,7 @@ port, a launch that hangs as behind a macOS firewall prompt); one test runs the 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from gradsync_tutorial import data, doctor, launcher
 from gradsync_tutorial.doctor import Check
 
 from .conftest import REPO
+from .test_data import DAMAGES, _damage, fake_files, write_unpacked
 
 
 def test_the_command_passes_on_this_machine():
@@ -102,13 +104,32 @@ def test_truncated_data_fails_with_delete_and_fetch_again(monkeypatch, tmp_path)
     for name in data.RAW_FILES:
         (raw / name).write_bytes(b"\x00\x00\x08")  # an interrupted download
     check = doctor.check_data()
-    assert check.failed and "could not read Fashion-MNIST" in check.detail
-    assert "delete the data folder" in check.fix
+    assert check.failed
+    assert check.detail.startswith(f"{raw / 'train-images-idx3-ubyte'} is not an IDX file")
+    assert check.fix.startswith(f"delete {raw / 'train-images-idx3-ubyte'} and run `python -m "
+                                "gradsync_tutorial.data")
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_every_file_is_checked_and_a_damaged_one_named(monkeypatch, tmp_path, damage):
+    """Training images truncated to half were "ok": the doctor read the test split only."""
+    monkeypatch.setenv("GRADSYNC_DATA", str(tmp_path))
+    raw = tmp_path / "FashionMNIST" / "raw"
+    _, blobs = fake_files()
+    write_unpacked(raw, blobs)
+    assert doctor.check_data().status == "ok"
+    _damage(damage, raw, blobs)
+    check = doctor.check_data()
+    name, message = DAMAGES[damage]
+    assert check.failed and str(raw / name) in check.detail
+    assert re.search(message, f"{check.detail}\nfix: {check.fix}")
+    assert "delete" in check.fix and "python -m gradsync_tutorial.data" in check.fix
 
 
 def test_data_present_here():
     check = doctor.check_data()
-    assert check.status == "ok" and "10,000 images" in check.detail
+    assert check.status == "ok"
+    assert "4 files checked: 60,000 training and 10,000 test images" in check.detail
 
 
 def test_a_blocked_port_fails_with_a_firewall_hint(monkeypatch):

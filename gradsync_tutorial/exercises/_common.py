@@ -3,7 +3,8 @@ comparisons of tensors, the course's model with random data.
 
 A check (``check_<name>``, in the module of its exercise) follows one pattern: validate the
 learner's function (:func:`_require_function`); run it next to the reference on the ranks
-(:func:`_launch`, with a worker function that calls it inside a :class:`_CollectiveCounter`);
+(:func:`_launch`, with a worker function that calls it inside a
+:class:`~gradsync_tutorial.detect.CollectiveCounter`);
 then diagnose the per-rank results, the most telling mistake first, with :func:`_fail`;
 :func:`_passed` when all is right, :func:`_not_attempted` for the stub. The workers are
 module-level functions, so that they reach the ranks by reference to their module.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..detect import CollectiveCounter as CollectiveCounter
+from ..detect import _swap_back as _swap_back
+from ..detect import _swap_in as _swap_in
 from ..launcher import HANG_HINT, LaunchTimeoutError, RankFailedError, launch
 from ..model import Net
 
@@ -121,90 +124,6 @@ def _launch(worker: Callable, fn: Any, world_size: int, timeout: float) -> list 
     if any(isinstance(r, str) and r == _STUB for r in results):
         return None
     return results
-
-
-# The torch.distributed calls a check counts.
-_COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter",
-    "scatter_object_list", "all_to_all", "all_to_all_single", "broadcast_object_list",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
-)
-
-
-def _swap_in(replacements: dict[int, Any], namespaces: list[dict], fn: Any) -> list[tuple]:
-    """Put ``replacements[id(value)]`` in place of every such value, in ``namespaces`` and in
-    ``fn``'s globals (where ``from torch.distributed import all_reduce`` or
-    ``from torch import save`` put a reference of its own).
-
-    Returns what :func:`_swap_back` needs to put the originals back.
-    """
-    fn_globals = getattr(fn, "__globals__", None)
-    if isinstance(fn_globals, dict):
-        namespaces = [*namespaces, fn_globals]
-    undo = []
-    for namespace in namespaces:
-        for key, value in list(namespace.items()):
-            replacement = replacements.get(id(value))
-            if replacement is not None:
-                undo.append((namespace, key, value))
-                namespace[key] = replacement
-    return undo
-
-
-def _swap_back(undo: list[tuple]) -> None:
-    for namespace, key, value in reversed(undo):
-        namespace[key] = value
-
-
-class _CollectiveCounter:
-    """Count the collectives ``fn`` calls, by swapping in counting wrappers while it runs.
-
-    The wrappers go into ``torch.distributed``, its ``distributed_c10d`` module (so a collective
-    that calls another one internally is counted once, as the outer call), and ``fn``'s
-    globals, where ``from torch.distributed import all_reduce`` put its own reference. Used in
-    the ranks, around the learner's call only::
-
-        with _CollectiveCounter(fn) as counter:
-            fn(model)
-        counter.counts["all_reduce"]      # how many times fn called it
-    """
-
-    def __init__(self, fn: Any):
-        self.fn = fn
-        self.counts: Counter = Counter()
-        self.calls: dict[str, list] = defaultdict(list)  # name -> [(args, kwargs), ...]
-        self._depth = 0
-        self._undo: list = []
-
-    def _wrap(self, name: str, original: Callable) -> Callable:
-        def counted(*args, **kwargs):
-            self._depth += 1
-            try:
-                if self._depth == 1:  # an outer call, not one made inside another collective
-                    self.counts[name] += 1
-                    self.calls[name].append((args, kwargs))
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def __enter__(self) -> _CollectiveCounter:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        originals = {}
-        for name in _COLLECTIVES:
-            original = getattr(distributed_c10d, name, None)
-            if original is not None:
-                originals[id(original)] = self._wrap(name, original)
-        self._undo = _swap_in(originals, [vars(dist), vars(distributed_c10d)], self.fn)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _swap_back(self._undo)
-        self._undo = []
 
 
 def _calls_text(counts: dict) -> str:

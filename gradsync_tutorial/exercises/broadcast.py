@@ -15,9 +15,9 @@ from ._common import (
     _STUB,
     CHECK_TIMEOUT,
     SEED,
+    CollectiveCounter,
     _all_ranks,
     _calls_text,
-    _CollectiveCounter,
     _differing,
     _fail,
     _launch,
@@ -37,7 +37,7 @@ def _broadcast_worker(rank: int, world_size: int, fn: Callable) -> Any:
     model = Net()
     ids = [id(p) for p in model.parameters()]
     everyone = _all_ranks(_params(model), world_size)  # every rank's weights, before
-    with _CollectiveCounter(fn) as counter:
+    with CollectiveCounter(fn) as counter:
         try:
             fn(model)
         except NotImplementedError:
@@ -45,7 +45,7 @@ def _broadcast_worker(rank: int, world_size: int, fn: Callable) -> Any:
     not_trainable = [n for n, p in model.named_parameters()
                      if not (isinstance(p, nn.Parameter) and p.requires_grad)]
     replaced = [id(p) for p in model.parameters()] != ids
-    return {"after": _params(model), "everyone": everyone, "counts": dict(counter.counts),
+    return {"after": _params(model), "everyone": everyone, "counts": dict(counter.calls),
             "not_trainable": not_trainable, "replaced": replaced}
 
 

@@ -17,8 +17,8 @@ from ._common import (
     _STUB,
     CHECK_TIMEOUT,
     SEED,
+    CollectiveCounter,
     _calls_text,
-    _CollectiveCounter,
     _fail,
     _launch,
     _max_abs_diff,
@@ -77,7 +77,7 @@ class _CountingSave:
             return original(*args, **kwargs)
 
         self._undo = _swap_in({id(original): save}, [vars(torch), vars(torch.serialization)],
-                              self.fn)
+                              [self.fn])
         return self
 
     def __exit__(self, *exc) -> None:
@@ -107,13 +107,13 @@ def _checkpoint_worker(rank: int, world_size: int, fn: Callable, path: str) -> A
     _train_steps(model, optimizer, rank, range(2))
     rng = torch.get_rng_state()
     keys = set(model.module.state_dict())
-    with _CollectiveCounter(fn) as counter, _CountingSave(fn, rank) as saves:
+    with CollectiveCounter(fn) as counter, _CountingSave(fn, rank) as saves:
         try:
             fn(path, model, optimizer, _EPOCHS_DONE)
         except NotImplementedError:
             return _STUB
     out: dict[str, Any] = {"saves": saves.calls, "exists": os.path.exists(path),
-                           "counts": dict(counter.counts)}
+                           "counts": dict(counter.calls)}
     dist.barrier()  # the check's own: from here on, the file is complete whatever fn did
     _train_steps(model, optimizer, rank, range(2, 4))  # the straight run goes on
     straight = _params(model.module)

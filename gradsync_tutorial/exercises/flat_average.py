@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from ._common import (
     _STUB,
     CHECK_TIMEOUT,
+    CollectiveCounter,
     _all_ranks,
     _calls_text,
-    _CollectiveCounter,
     _differing,
     _fail,
     _flatten,
@@ -36,12 +36,12 @@ def _average_flat_worker(rank: int, world_size: int, fn: Callable) -> Any:
     model, images, labels = _model_and_data(rank)
     F.nll_loss(model(images), labels).backward()  # this rank's own gradients
     everyone = _all_ranks(_grads(model), world_size)  # every rank's, to compute the mean
-    with _CollectiveCounter(fn) as counter:
+    with CollectiveCounter(fn) as counter:
         try:
             fn(model)
         except NotImplementedError:
             return _STUB
-    return {"got": _grads(model), "everyone": everyone, "counts": dict(counter.counts)}
+    return {"got": _grads(model), "everyone": everyone, "counts": dict(counter.calls)}
 
 
 def check_average_gradients_flat(

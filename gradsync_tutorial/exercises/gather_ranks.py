@@ -12,8 +12,8 @@ import torch
 from ._common import (
     _STUB,
     CHECK_TIMEOUT,
+    CollectiveCounter,
     _calls_text,
-    _CollectiveCounter,
     _fail,
     _is_number,
     _launch,
@@ -25,7 +25,7 @@ from ._common import (
 
 
 def _gather_ranks_worker(rank: int, world_size: int, fn: Callable) -> Any:
-    with _CollectiveCounter(fn) as counter:
+    with CollectiveCounter(fn) as counter:
         try:
             result = fn(rank, world_size)
         except NotImplementedError:
@@ -33,11 +33,11 @@ def _gather_ranks_worker(rank: int, world_size: int, fn: Callable) -> Any:
     # [torch.zeros(1)] * world_size repeats ONE tensor: all_gather then writes every rank's
     # value into it, and the last write wins.
     aliased = False
-    for args, kwargs in counter.calls.get("all_gather", []):
+    for args, kwargs in counter.arguments.get("all_gather", []):
         out = kwargs.get("tensor_list", args[0] if args else None)
         if isinstance(out, (list, tuple)) and len({id(t) for t in out}) < len(out):
             aliased = True
-    return {"result": result, "counts": dict(counter.counts), "aliased": aliased}
+    return {"result": result, "counts": dict(counter.calls), "aliased": aliased}
 
 
 def check_gather_ranks(

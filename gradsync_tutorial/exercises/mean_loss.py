@@ -13,8 +13,8 @@ from ._common import (
     _STUB,
     CHECK_TIMEOUT,
     SEED,
+    CollectiveCounter,
     _calls_text,
-    _CollectiveCounter,
     _fail,
     _is_number,
     _launch,
@@ -42,7 +42,7 @@ def _mean_loss_worker(rank: int, world_size: int, fn: Callable) -> Any:
     mine = torch.tensor([before.double().sum().item(), float(len(before))], dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)  # every rank's (sum, count), for the diagnosis
-    with _CollectiveCounter(fn) as counter:
+    with CollectiveCounter(fn) as counter:
         try:
             result = fn(losses)
         except NotImplementedError:
@@ -55,7 +55,7 @@ def _mean_loss_worker(rank: int, world_size: int, fn: Callable) -> Any:
         result = float(result)
     changed = not torch.equal(losses.detach(), before)
     return {"result": result, "sums_counts": [e.tolist() for e in everyone],
-            "counts": dict(counter.counts), "changed": changed}
+            "counts": dict(counter.calls), "changed": changed}
 
 
 def _same(a: float, b: float) -> bool:

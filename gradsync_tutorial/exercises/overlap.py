@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from ._common import (
     _STUB,
     CHECK_TIMEOUT,
+    CollectiveCounter,
     _all_ranks,
-    _CollectiveCounter,
     _differing,
     _fail,
     _grads,
@@ -44,21 +44,21 @@ def _overlap_worker(rank: int, world_size: int, fn: Callable) -> Any:
         grads, _ = _reference_gradient(model, x, y)
         expected.append(_all_ranks(grads, world_size))
     steps = []
-    with _CollectiveCounter(fn) as counter:
+    with CollectiveCounter(fn) as counter:
         try:
             finish = fn(model)
         except NotImplementedError:
             return _STUB
-        at_setup = dict(counter.counts)
+        at_setup = dict(counter.calls)
         if not callable(finish):
             return {"finish": f"{type(finish).__name__} {finish!r:.60}"}
         for x, y in batches:
             model.zero_grad()
-            before = len(counter.calls["all_reduce"])
+            before = len(counter.arguments["all_reduce"])
             F.nll_loss(model(x), y).backward()
-            during = counter.calls["all_reduce"][before:]
+            during = counter.arguments["all_reduce"][before:]
             finish()
-            after = counter.calls["all_reduce"][before + len(during):]
+            after = counter.arguments["all_reduce"][before + len(during):]
             steps.append({"during": len(during), "async": sum(_is_async(*c) for c in during),
                           "after": len(after), "got": _grads(model)})
     return {"setup": at_setup, "steps": steps, "expected": expected}
