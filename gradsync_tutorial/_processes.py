@@ -24,26 +24,23 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ._messages import Finished, Raised, Ready, StackReport
 from ._worker import END_MARK
+from .launch_errors import Failure, _with_cell_labels
 
 GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
 TOKEN_BYTES = 16
 
 
-def _signal_name(returncode: int) -> str:
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def _describe_exit(returncode: int) -> str:
+def _exit_failure(rank: int, returncode: int, started: bool) -> Failure:
+    """The record for a rank whose process ended without a result (``returncode`` < 0: signal)."""
     if returncode < 0:
-        name = _signal_name(returncode)
-        why = (" (SIGKILL usually means the machine ran out of memory and the kernel's OOM "
-               "killer stopped it)" if name == "SIGKILL" else "")
-        return f"was killed by {name} before returning a result{why}"
-    return f"exited with code {returncode} before returning a result"
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return Failure(rank, "killed", signal=name, during_startup=not started)
+    return Failure(rank, "exited", exit_code=returncode, during_startup=not started)
 
 
 class _Workers:
@@ -161,7 +158,7 @@ class _Workers:
             if rank not in state.results and rank not in state.failures:
                 returncode = proc.poll()
                 if returncode is not None:
-                    state.fail(rank, f"rank {rank} {_describe_exit(returncode)}")
+                    state.fail(_exit_failure(rank, returncode, state.sent))
 
     def _handle_next_event(self, state: _JobState) -> None:
         """Print a worker's line, or record a message, an end mark or an EOF (wait <= 10 ms)."""
@@ -181,7 +178,7 @@ class _Workers:
         elif kind == "msg":
             state.on_message(rank, value)
 
-    def send(self, rank: int, message: tuple) -> None:
+    def send(self, rank: int, message: object) -> None:
         try:
             self.conns[rank].send(message)
         except OSError:
@@ -234,37 +231,38 @@ class _Deadline(Exception):
 
 
 class _JobState:
-    """What the launcher knows about one job: results, failures, end marks seen."""
+    """What the launcher knows about one job: results, failure records, end marks seen."""
 
     def __init__(self, job_id: int):
         self.job_id = job_id
         self.results: dict[int, bytes] = {}
-        self.failures: dict[int, str] = {}
-        self.errors: dict[int, tuple] = {}
-        self.order: list[int] = []  # ranks in the order they failed
+        self.failures: dict[int, Failure] = {}  # in the order they were noticed
         self.ready: set[int] = set()
+        self.stacks: dict[int, StackReport] = {}
         self.marks: set = set()
         self.eofs: set = set()
         self.sent = False  # has the job been sent (the ranks are past start-up)?
         self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
 
-    def fail(self, rank: int, description: str) -> None:
-        if rank not in self.failures:
-            self.failures[rank] = description
-            self.order.append(rank)
+    def fail(self, failure: Failure) -> None:
+        if failure.rank not in self.failures:
+            self.failures[failure.rank] = failure
 
-    def on_message(self, rank: int, message: tuple) -> None:
-        kind, job_id, *rest = message
-        if job_id != self.job_id:
-            return
-        if kind == "ok":
-            self.results[rank] = rest[0]
-        elif kind == "error":
-            exc_type, text, tb, pickled = rest
-            self.errors[rank] = (exc_type, text, tb, pickled)
-            self.fail(rank, f"rank {rank} raised {exc_type}: {text}")
-        elif kind == "ready":
+    def on_message(self, rank: int, message: object) -> None:
+        if getattr(message, "job_id", None) != self.job_id:
+            return  # a late message from an earlier job
+        if isinstance(message, Finished):
+            self.results[rank] = message.result
+        elif isinstance(message, Raised):
+            self.fail(Failure(
+                rank, "raised", exc_type=message.exc_type, message=message.message,
+                traceback=_with_cell_labels(message.traceback), exit_code=message.exit_code,
+                lost_peer=message.lost_peer, exception=message.exception,
+            ))
+        elif isinstance(message, Ready):
             self.ready.add(rank)
+        elif isinstance(message, StackReport):
+            self.stacks[rank] = message
 
     def output_complete(self, ranks: Iterable[int]) -> bool:
         return all(

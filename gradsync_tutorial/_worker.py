@@ -14,15 +14,19 @@ the read returns EOF and this process exits at once, so no worker ever outlives 
 
 from __future__ import annotations
 
+import linecache
 import os
 import pickle
 import queue
+import re
 import socket
 import sys
 import threading
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+
+from gradsync_tutorial._messages import Finished, Job, Raised, Ready, Teardown
 
 # Written on stdout and stderr after each job so the launcher knows it has every line.
 END_MARK = "\x1egradsync-end-of-job"
@@ -57,7 +61,7 @@ def _end_of_job(job_id: int) -> None:
         original.flush()
 
 
-def _run_job(job: dict) -> tuple:
+def _run_job(job: Job) -> Finished | Raised:
     """Run one job; return the message for the launcher. Never raises."""
     import cloudpickle
     import torch
@@ -66,38 +70,89 @@ def _run_job(job: dict) -> tuple:
     try:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo a previous job's swap
         os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
-        os.environ.update(job["env"], PYTHONUNBUFFERED="1")
-        if job["cwd"] and os.path.isdir(job["cwd"]):
-            os.chdir(job["cwd"])
-        sys.path[:] = job["sys_path"] + [p for p in sys.path if p not in job["sys_path"]]
-        torch.set_num_threads(job["num_threads"])
-        fn, args = cloudpickle.loads(job["payload"])
+        os.environ.update(job.env, PYTHONUNBUFFERED="1")
+        if job.cwd and os.path.isdir(job.cwd):
+            os.chdir(job.cwd)
+        sys.path[:] = job.sys_path + [p for p in sys.path if p not in job.sys_path]
+        for filename, lines in job.sources.items():  # notebook cells: tracebacks show the line
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        torch.set_num_threads(job.num_threads)
+        fn, args = cloudpickle.loads(job.payload)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if job["device"] == "cuda":
+        if job.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # init_method="env://": read MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, exactly as under
         # torchrun. The store it connects to is hosted by the launcher (the "agent" store).
         dist.init_process_group(
-            job["backend"], timeout=timedelta(seconds=job["collective_timeout"])
+            job.backend, timeout=timedelta(seconds=job.collective_timeout)
         )
         result = fn(rank, world_size, *args)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            return _raised(job.job_id, exc)
+        # sys.exit() / sys.exit(0) ends a torchrun process successfully: the same here.
+        print(f"fn called sys.exit({'' if exc.code is None else 0}): counted as success, as "
+              "torchrun counts exit code 0; this rank's result is None.", file=sys.stderr)
+        result = None
     except BaseException as exc:  # noqa: BLE001 - the launcher re-raises it in the notebook
-        return _error_message(exc)
+        return _raised(job.job_id, exc)
     try:
-        return ("ok", cloudpickle.dumps(_to_cpu(result)))
+        return Finished(job.job_id, cloudpickle.dumps(_to_cpu(result)))
     except Exception as exc:  # noqa: BLE001
-        return _error_message(
+        return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
                       f"serialized back to the notebook: {exc}. Return tensors, numbers, "
-                      "lists or dicts of them (for a model, return model.state_dict()).")
+                      "lists or dicts of them (for a model, return model.state_dict())."),
         )
 
 
-def _error_message(exc: BaseException) -> tuple:
+# What gloo and nccl say when the other end of a connection went away.
+_LOST_PEER = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|remote process exited|read error|"
+    r"connection refused|socket timeout", re.IGNORECASE,
+)
+
+
+def _lost_peer(exc: BaseException, text: str) -> bool:
+    """Did torch.distributed raise this because a peer's connection closed?
+
+    Decided from the exception's class and where it was raised, not from its type's name:
+    a RuntimeError (gloo's and nccl's DistBackendError is one) raised inside torch.distributed
+    whose message describes a closed connection.
+    """
+    if not isinstance(exc, RuntimeError) or not _LOST_PEER.search(text):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f"torch{os.sep}distributed{os.sep}" in f.filename for f in frames)
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as e:  # noqa: BLE001 - a user's __str__ that raises
+        return f"<its __str__ raised {type(e).__name__}: {_safe_repr(e)}>"
+
+
+def _safe_repr(obj: object) -> str:
+    try:
+        return str(obj)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def _raised(job_id: int, exc: BaseException) -> Raised:
     tb = exc.__traceback__
     if tb is not None and tb.tb_frame.f_code is _run_job.__code__ and tb.tb_next is not None:
         tb = tb.tb_next  # start the traceback at the user's code, not at this module
-    tb = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        text_tb = "".join(traceback.format_exception(type(exc), exc, tb))
+    except Exception:  # noqa: BLE001 - a broken exception must not crash the worker
+        text_tb = "".join(traceback.format_tb(tb)) + f"{type(exc).__qualname__}\n"
+    text = _safe_str(exc)
+    exit_code = None
+    if isinstance(exc, SystemExit):  # sys.exit(3) exits 3; sys.exit("why") prints and exits 1
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+        text = repr(exc.code) if isinstance(exc.code, str) else text
     try:
         import cloudpickle
 
@@ -105,7 +160,8 @@ def _error_message(exc: BaseException) -> tuple:
         pickle.loads(pickled)  # only send what the notebook can rebuild
     except Exception:  # noqa: BLE001 - the text alone is enough to report it
         pickled = None
-    return ("error", type(exc).__qualname__, str(exc), tb, pickled)
+    return Raised(job_id, type(exc).__qualname__, text, text_tb, pickled,
+                  lost_peer=_lost_peer(exc, text), exit_code=exit_code)
 
 
 def _connect() -> Connection:
@@ -134,18 +190,17 @@ def main() -> None:
     threading.Thread(target=read_forever, name="gradsync-control", daemon=True).start()
 
     while True:
-        kind, *rest = inbox.get()
-        if kind == "job":
-            job_id, job = rest
-            reply = _run_job(job)
-            _end_of_job(job_id)
-            conn.send((reply[0], job_id, *reply[1:]))
-        elif kind == "teardown":
+        message = inbox.get()
+        if isinstance(message, Job):
+            reply = _run_job(message)
+            _end_of_job(message.job_id)
+            conn.send(reply)
+        elif isinstance(message, Teardown):
             import torch.distributed as dist
 
             if dist.is_initialized():  # fn may have destroyed it itself, torchrun-style
                 dist.destroy_process_group()
-            conn.send(("ready", rest[0]))
+            conn.send(Ready(message.job_id))
 
 
 if __name__ == "__main__":

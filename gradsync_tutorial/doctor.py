@@ -309,6 +309,10 @@ def check_launch(timeout: float = LAUNCH_TIMEOUT) -> Check:
         return Check("launch", "FAIL", f"2 ranks did not finish within {timeout:g} s "
                      f"(ranks still running: {e.unfinished})",
                      _launch_fix("The ranks could not reach each other."))
+    except launcher.RankFailedError as e:
+        first = e.failure.summary().splitlines()[0]  # the blamed rank's record
+        return Check("launch", "FAIL", f"a 2-rank launch failed: {first}",
+                     _launch_fix("Read the error above."))
     except (launcher.LaunchError, OSError) as e:
         first = str(e).splitlines()[0]
         return Check("launch", "FAIL", f"a 2-rank launch failed: {first}",

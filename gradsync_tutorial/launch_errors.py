@@ -13,15 +13,15 @@ its last lines on stderr), or a hang (the ranks that had not finished, and the u
 
 from __future__ import annotations
 
-import linecache
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ._processes import _JobState
 
-__all__ = ["HANG_HINT", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
+__all__ = ["HANG_HINT", "Failure", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
 
 HANG_HINT = (
     "The usual cause is a collective that not every rank called: a rank skipped it (for "
@@ -31,10 +31,63 @@ HANG_HINT = (
 )
 
 
-class LaunchError(RuntimeError):
-    """A launch failed. ``failures`` maps each failed rank to what happened to it."""
+@dataclass
+class Failure:
+    """What happened to one rank: a record, formatted only when an error is raised.
 
-    def __init__(self, message: str, failures: dict[int, str] | None = None):
+    ``kind`` is ``"raised"`` (``fn`` raised ``exc_type``; ``message`` and ``traceback`` are
+    its text), ``"exited"`` (the process ended with ``exit_code`` before returning),
+    ``"killed"`` (the process was killed by ``signal``), or ``"timeout"`` (still running at the
+    launch's timeout). ``lost_peer``: the rank failed inside torch.distributed because a peer's
+    connection closed -- usually a *consequence* of another rank's failure. ``stderr_tail``:
+    the rank's last lines on stderr.
+
+        >>> from gradsync_tutorial.launch_errors import Failure
+        >>> str(Failure(1, "exited", exit_code=3))
+        'rank 1 exited with code 3 before returning a result'
+    """
+
+    rank: int
+    kind: str
+    exc_type: str = ""
+    message: str = ""
+    traceback: str = ""
+    exit_code: int | None = None
+    signal: str | None = None
+    stderr_tail: tuple[str, ...] = ()
+    lost_peer: bool = False
+    during_startup: bool = False
+    exception: bytes | None = field(default=None, repr=False)  # cloudpickled, if rebuildable
+
+    def summary(self) -> str:
+        """One line (or a few): who failed and how; C++ frame dumps folded away."""
+        if self.kind == "raised" and self.exc_type == "SystemExit":
+            return (f"rank {self.rank} called sys.exit({self.message}): exit code "
+                    f"{self.exit_code}, which counts as a failure (as under torchrun; "
+                    "sys.exit() or sys.exit(0) counts as success)")
+        if self.kind == "raised":
+            return f"rank {self.rank} raised {self.exc_type}: {_fold_cpp_frames(self.message)}"
+        if self.kind == "killed":
+            why = (" (SIGKILL usually means the machine ran out of memory and the kernel's OOM "
+                   "killer stopped it)" if self.signal == "SIGKILL" else "")
+            return f"rank {self.rank} was killed by {self.signal} before returning a result{why}"
+        if self.kind == "result":
+            return (f"rank {self.rank}'s return value could not be rebuilt in the notebook: "
+                    f"{self.exc_type}: {self.message}. Return values are unpickled here, so "
+                    "every class in them must be importable here: return tensors, numbers, "
+                    "strings, lists or dicts (model.state_dict() for a model), or make the "
+                    "module that defines the class importable from the notebook too")
+        if self.kind == "exited":
+            return f"rank {self.rank} exited with code {self.exit_code} before returning a result"
+        return f"rank {self.rank} did not finish"
+
+    __str__ = summary
+
+
+class LaunchError(RuntimeError):
+    """A launch failed. ``failures`` maps each failed rank to its :class:`Failure` record."""
+
+    def __init__(self, message: str, failures: dict[int, Failure] | None = None):
         super().__init__(message)
         self.failures = failures or {}
 
@@ -42,21 +95,38 @@ class LaunchError(RuntimeError):
 class RankFailedError(LaunchError):
     """A rank raised an exception, or its process died before returning.
 
-    ``rank`` is the rank that failed first; ``exc_type`` and ``traceback`` are its exception's
-    type name and the worker's formatted traceback (empty for a dead process).
+    ``rank`` is the rank blamed (the first to fail other than as a consequence); ``failure``
+    is its :class:`Failure` record; ``exc_type`` and ``traceback`` are its exception's type
+    name and formatted traceback (empty for a dead process).
     """
 
-    def __init__(self, message, failures, rank, exc_type="", traceback=""):
+    def __init__(self, message: str, failures: dict[int, Failure], rank: int):
         super().__init__(message, failures)
-        self.rank, self.exc_type, self.traceback = rank, exc_type, traceback
+        self.rank = rank
+
+    @property
+    def failure(self) -> Failure:
+        return self.failures[self.rank]
+
+    @property
+    def exc_type(self) -> str:
+        return self.failure.exc_type
+
+    @property
+    def traceback(self) -> str:
+        return self.failure.traceback
 
 
 class LaunchTimeoutError(LaunchError, TimeoutError):
-    """The launch ran past its ``timeout``; ``unfinished`` lists the ranks still running."""
+    """The launch ran past its ``timeout``; ``unfinished`` lists the ranks still running.
 
-    def __init__(self, message, unfinished: list[int]):
-        super().__init__(message, {r: "did not finish" for r in unfinished})
+    ``report`` says where each unfinished rank was, when their stacks could be read.
+    """
+
+    def __init__(self, message: str, unfinished: list[int], report: str = ""):
+        super().__init__(message, {r: Failure(r, "timeout") for r in unfinished})
         self.unfinished = unfinished
+        self.report = report
 
 
 def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: float,
@@ -78,94 +148,90 @@ def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: f
     )
 
 
-def _failure(state: _JobState, first: int, sources: dict[str, str]) -> RankFailedError:
-    """The error to raise; its ``__cause__`` is the rank's own exception when it unpickles."""
-    # Lead with the rank that failed first: ranks failing just after it often fail *because*
-    # of it (their peer's socket closed under a collective), and those get a note saying so.
-    others = ""
-    for rank in state.order:
-        if rank != first:
-            note = " (a consequence: a peer went away)" if _collateral(state, rank) else ""
-            others += f"\n  {state.failures[rank]}{note}"
-    others = f"\nOther ranks failed after it:{others}" if others else ""
-    if first in state.errors:
-        exc_type, text, tb, pickled = state.errors[first]
-        tb = _with_source_lines(tb, sources)
-        message = (f"rank {first} raised {exc_type}: {text}\nAll ranks were stopped.{others}"
-                   f"\n\nTraceback from rank {first}:\n{tb}")
-        error = RankFailedError(message, dict(state.failures), first, exc_type, tb)
-        cause = None
-        if pickled is not None:
-            try:
-                import cloudpickle
+def _blame(failures: Sequence[Failure]) -> Failure:
+    """The rank to blame: the first to fail other than by losing a peer, else the first.
 
-                cause = cloudpickle.loads(pickled)
-            except Exception:  # noqa: BLE001 - the message already has everything
-                cause = None
-        error.__cause__ = cause
-        return error
-    when = "" if state.sent else " while starting up, before running fn (its output is above)"
-    tail = "".join(f"\n  {line}" for line in state.stderr_tail[first])
-    tail = f"\nIts last lines on stderr:{tail}" if tail else ""
-    message = f"{state.failures[first]}{when}.\nAll ranks were stopped.{others}{tail}"
-    return RankFailedError(message, dict(state.failures), first)
-
-
-def _root_cause(state: _JobState) -> int:
-    """The rank to blame: the first to fail other than by losing a peer, else the first."""
-    return next((r for r in state.order if not _collateral(state, r)), state.order[0])
-
-
-def _collateral(state: _JobState, rank: int) -> bool:
-    """Did this rank fail on a connection its peer closed (gloo's and nccl's wording)?"""
-    text = state.failures[rank].lower()
-    return any(w in text for w in ("connection reset", "connection closed", "broken pipe",
-                                   "remote process exited", "peer", "read error"))
-
-
-def _source_files(fn, args: Sequence[Any] = ()) -> dict[str, str]:
-    """Map function name -> source file for ``fn``, the functions it uses and those in ``args``.
-
-    cloudpickle renames the code it ships ``<dynamic-code>``; with this map the launcher
-    puts the notebook cell's file name and source line back into a worker's traceback.
+    ``failures`` in the order they were noticed. Decided from the records' fields only.
     """
-    files: dict[str, str] = {}
-    seen: set[int] = set()
-
-    def visit(obj, depth=0):
-        code = getattr(obj, "__code__", None)
-        if code is None or id(code) in seen or depth > 3:
-            return
-        seen.add(id(code))
-        stack = [code]
-        while stack:
-            c = stack.pop()
-            files.setdefault(c.co_name, c.co_filename)
-            stack.extend(k for k in c.co_consts if hasattr(k, "co_filename"))
-        for name in code.co_names:
-            visit(getattr(obj, "__globals__", {}).get(name), depth + 1)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                visit(cell.cell_contents, depth + 1)
-            except ValueError:  # empty cell
-                pass
-
-    visit(fn)
-    for arg in args:  # functions passed in args (an averaging function, say)
-        visit(arg)
-    return files
+    return next((f for f in failures if not f.lost_peer), failures[0])
 
 
-def _with_source_lines(tb: str, sources: dict[str, str]) -> str:
-    def fix(match):
-        line, name = int(match.group(1)), match.group(2)
-        path = sources.get(name)
-        if path is None:
-            return match.group(0)
-        text = linecache.getline(path, line).strip()
-        return f"{_file_label(path)}, line {line}, in {name}" + (f"\n    {text}" if text else "")
+def _rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedError:
+    """The error to raise, formatted once from the records (``failures`` in order noticed).
 
-    return re.sub(r'File "<dynamic-code>", line (\d+), in (\S+)', fix, tb)
+    Its ``__cause__`` is the blamed rank's own exception when the notebook can rebuild it.
+    """
+    first = _blame(failures)
+    # Lead with the blamed rank: ranks failing just after it often fail *because* of it
+    # (their peer's socket closed under a collective), and those get a note saying so.
+    others = "".join(
+        f"\n  {f.summary()}" + (" (a consequence: a peer went away)" if f.lost_peer else "")
+        for f in failures if f is not first
+    )
+    others = f"\nOther ranks failed after it:{others}" if others else ""
+    by_rank = {f.rank: f for f in failures}
+    if first.kind == "raised":
+        hint = _hint(first)
+        message = (f"{first.summary()}\nAll ranks were stopped.{others}{hint}"
+                   f"\n\nTraceback from rank {first.rank}:\n{first.traceback}")
+        error = RankFailedError(message, by_rank, first.rank)
+        error.__cause__ = _rebuild(first.exception)
+        return error
+    if first.kind == "result":  # every rank finished; nothing to stop
+        return RankFailedError(f"{first.summary()}.", by_rank, first.rank)
+    when = "" if started else " while starting up, before running fn (its output is above)"
+    tail = "".join(f"\n  {line}" for line in first.stderr_tail)
+    tail = f"\nIts last lines on stderr:{tail}" if tail else ""
+    message = f"{first.summary()}{when}.\nAll ranks were stopped.{others}{tail}"
+    return RankFailedError(message, by_rank, first.rank)
+
+
+def _hint(failure: Failure) -> str:
+    """What to do about a few errors a learner meets when bringing code from elsewhere."""
+    text = f"{failure.exc_type}: {failure.message}"
+    if re.search(r"\bCUDA\b|\bNVIDIA\b|\bnccl\b|\bNCCL\b|cuda:\d|\.cuda\(", text):
+        return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none for each "
+                "rank: put tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "
+                "GPU per rank, else the CPU) instead of .cuda() or f'cuda:{rank}', and use "
+                "backend 'auto' (nccl with GPUs, gloo without), so the same code runs on both.")
+    return ""
+
+
+def _rebuild(pickled: bytes | None) -> BaseException | None:
+    if pickled is None:
+        return None
+    try:
+        import cloudpickle
+
+        return cloudpickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - the message already has everything
+        return None
+
+
+_CPP_FRAME = re.compile(r"^\s*(frame #\d+:|Exception raised from |<omitting python frames>)")
+
+
+def _fold_cpp_frames(text: str) -> str:
+    """Replace a C++ stack dump (``frame #0: ...`` lines) by a one-line note."""
+    lines = text.splitlines()
+    kept = [line for line in lines if not _CPP_FRAME.match(line)]
+    folded = len(lines) - len(kept)
+    if not folded:
+        return text
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return "\n".join(kept) + f" [{folded} lines of C++ stack folded]"
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+), in ')
+
+
+def _with_cell_labels(tb: str) -> str:
+    """A rank's traceback with each notebook cell named as IPython names it (``Cell In[3]``)."""
+    def label(match):
+        return f"{_file_label(match.group(1))}, line {match.group(2)}, in "
+
+    return _FILE_LINE.sub(label, tb)
 
 
 def _ranks(ranks: list[int]) -> str:

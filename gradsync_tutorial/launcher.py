@@ -45,6 +45,8 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import io
+import linecache
 import os
 import socket
 import sys
@@ -54,21 +56,21 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ._messages import Job, Teardown
 from ._processes import _Deadline, _JobState, _Workers
 from .launch_errors import (
     HANG_HINT,
+    Failure,
     LaunchError,
     LaunchTimeoutError,
     RankFailedError,
-    _collateral,
-    _failure,
-    _root_cause,
-    _source_files,
+    _rank_failed_error,
     _timeout_error,
 )
 
 __all__ = [
     "HANG_HINT",
+    "Failure",
     "LaunchError",
     "LaunchTimeoutError",
     "RankFailedError",
@@ -176,11 +178,13 @@ def local_device():
     return torch.device("cpu")
 
 
-def _serialize(fn, args) -> bytes:
-    import cloudpickle
-
+def _serialize(fn, args) -> tuple[bytes, dict[str, list[str]]]:
+    """``fn`` and ``args`` by value, and the source lines of notebook cells they come from."""
+    pickler_class = _pickler_class()
+    buffer = io.BytesIO()
+    pickler = pickler_class(buffer)
     try:
-        return cloudpickle.dumps((fn, tuple(args)))
+        pickler.dump((fn, tuple(args)))
     except Exception as e:
         raise TypeError(
             f"could not send fn and args to the workers: {type(e).__name__}: {e}. Everything "
@@ -188,8 +192,36 @@ def _serialize(fn, args) -> bytes:
             "and plain containers, and create objects such as open files, locks, data loaders "
             "or process groups inside fn."
         ) from e
+    # A notebook cell is no file on disk: send its lines, so that a rank's tracebacks and
+    # warnings quote them.
+    sources = {name: linecache.getlines(name) for name in pickler.filenames
+               if not os.path.exists(name) and linecache.getlines(name)}
+    return buffer.getvalue(), sources
 
 
+def _pickler_class():
+    import cloudpickle
+
+    reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+    class KeepFileNames(cloudpickle.Pickler):
+        """cloudpickle, except that code keeps its file name (not ``<dynamic-code>``), so a
+        rank's tracebacks and warnings from a notebook cell's functions and classes point to
+        the cell."""
+
+        def __init__(self, file):
+            super().__init__(file)
+            self.filenames: set[str] = set()
+
+        def reducer_override(self, obj):
+            if isinstance(obj, types.CodeType):
+                self.filenames.add(obj.co_filename)
+                make, fields = reduce_code(obj)
+                return make, tuple(obj.co_filename if isinstance(f, str) and
+                                   f == "<dynamic-code>" else f for f in fields)
+            return super().reducer_override(obj)
+
+    return KeepFileNames
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,7 +336,7 @@ def launch(
     __tracebackhide__ = True
     _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
     backend, device = _resolve_backend(backend, world_size)
-    payload = _serialize(fn, args)
+    payload, sources = _serialize(fn, args)
     num_threads = num_threads or max(1, _cpu_count() // world_size)
 
     import torch.distributed as dist
@@ -323,16 +355,17 @@ def launch(
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
         for rank in range(world_size):
             env = dict(base_env, **_torchrun_env(rank, world_size, store.port, num_threads))
-            job = dict(payload=payload, env=env, cwd=os.getcwd(), sys_path=list(sys.path),
-                       backend=backend, device=device, num_threads=num_threads,
-                       collective_timeout=timeout + 30)  # our timeout reports it first
-            workers.send(rank, ("job", state.job_id, job))
+            workers.send(rank, Job(
+                state.job_id, payload, env, os.getcwd(), list(sys.path), backend, device,
+                num_threads, collective_timeout=timeout + 30,  # our timeout reports it first
+                sources=sources,
+            ))
         state.sent = True
         workers.pump(state, deadline, lambda: len(state.results) == world_size)
         if not state.failures:
             workers.drain(state, lambda: state.output_complete(range(world_size)), 5.0)
             for rank in range(world_size):
-                workers.send(rank, ("teardown", state.job_id))
+                workers.send(rank, Teardown(state.job_id))
             workers.pump(state, deadline, lambda: len(state.ready) == world_size)
     except _Deadline:
         workers.stop()
@@ -346,26 +379,47 @@ def launch(
         del store  # closes the port
 
     if state.failures:
-        # Give the other ranks a moment to report errors of their own (an error raised on
-        # every rank), then stop them all, and show what the failed ranks printed.
-        workers.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
-        if all(_collateral(state, r) for r in state.failures):
-            # A rank lost its peer under a collective: the peer that went away is the story,
-            # and its exit can be noticed a moment after the survivor's report. Wait for it.
-            workers.drain(state, lambda: not all(_collateral(state, r) for r in state.failures)
-                          or len(state.failures) == world_size, 2.0, note_exits=True)
-        first = _root_cause(state)
-        workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
-        workers.stop()
-        workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
-        error = _failure(state, first, _source_files(fn, args))
+        error = _stop_after_failure(workers, state)
         # from: the rank's exception, when it could be rebuilt
         raise _shown_from_caller(error) from error.__cause__
-
     _give_back(workers, reuse_workers)
+    results, error = _rebuild_results(state, world_size)
+    if error is not None:
+        raise _shown_from_caller(error) from None
+    return results
+
+
+def _stop_after_failure(workers: _Workers, state: _JobState) -> RankFailedError:
+    """A rank failed: let the others report, stop them all, return the error to raise."""
+    world_size = workers.world_size
+    # Give the other ranks a moment to report errors of their own (an error raised on every
+    # rank), then stop them all, and show what the failed ranks printed.
+    workers.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
+    if all(f.lost_peer for f in state.failures.values()):
+        # A rank lost its peer under a collective: the peer that went away is the story, and
+        # its exit can be noticed a moment after the survivor's report. Wait for it.
+        workers.drain(state, lambda: not all(f.lost_peer for f in state.failures.values())
+                      or len(state.failures) == world_size, 2.0, note_exits=True)
+    workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
+    workers.stop()
+    workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
+    for rank, failure in state.failures.items():
+        failure.stderr_tail = tuple(state.stderr_tail[rank])
+    return _rank_failed_error(list(state.failures.values()), state.sent)
+
+
+def _rebuild_results(state: _JobState, world_size: int) -> tuple[list, RankFailedError | None]:
+    """The ranks' return values, or the error naming the rank whose value cannot be rebuilt."""
     import cloudpickle
 
-    return [cloudpickle.loads(state.results[rank]) for rank in range(world_size)]
+    results = []
+    for rank in range(world_size):
+        try:
+            results.append(cloudpickle.loads(state.results[rank]))
+        except Exception as e:  # noqa: BLE001 - a class only the worker could import, say
+            failure = Failure(rank, "result", exc_type=type(e).__name__, message=str(e))
+            return [], _rank_failed_error([failure], started=True)
+    return results, None
 
 
 def _shown_from_caller(error: LaunchError) -> LaunchError:

@@ -164,14 +164,15 @@ def test_a_launch_that_hangs_explains_the_firewall_of_each_system(monkeypatch, p
 
 def test_a_launch_that_fails_shows_the_error(monkeypatch):
     def fails(*args, **kwargs):
-        raise launcher.RankFailedError("rank 1 raised RuntimeError: Connection refused\nmore",
-                                       {1: "x"}, 1)
+        failure = launcher.Failure(1, "raised", exc_type="RuntimeError",
+                                   message="Connection refused\nmore")
+        raise launcher.RankFailedError("a long message\nmore", {1: failure}, 1)
 
     monkeypatch.setattr(launcher, "launch", fails)
     check = doctor.check_launch()
     assert check.failed
     assert check.detail == ("a 2-rank launch failed: rank 1 raised RuntimeError: Connection "
-                            "refused")
+                            "refused")  # the record's first line, not the message's
 
 
 def test_epoch_timing_and_the_notebook_estimates(monkeypatch):

@@ -246,16 +246,19 @@ def test_rank_dies_without_result(how, expected):
 def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
     """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
     sees rank 1's process end; rank 1 is still the story."""
-    from gradsync_tutorial._processes import _describe_exit, _JobState
-    from gradsync_tutorial.launch_errors import _failure, _root_cause
+    from gradsync_tutorial._messages import Raised
+    from gradsync_tutorial._processes import _exit_failure, _JobState
+    from gradsync_tutorial.launch_errors import _blame, _rank_failed_error
 
     state = _JobState(1)
     state.sent = True
-    state.on_message(0, ("error", 1, "RuntimeError", "[pair.cc:545] Read error [127.0.0.1]:"
-                         "41234: Connection reset by peer", "Traceback ...", None))
-    state.fail(1, f"rank 1 {_describe_exit(-signal.SIGKILL)}")
-    assert _root_cause(state) == 1
-    message = str(_failure(state, _root_cause(state), {}))
+    state.on_message(0, Raised(1, "RuntimeError", "[pair.cc:545] Read error [127.0.0.1]:"
+                               "41234: Connection reset by peer", "Traceback ...", None,
+                               lost_peer=True))
+    state.fail(_exit_failure(1, -signal.SIGKILL, started=True))
+    failures = list(state.failures.values())
+    assert _blame(failures).rank == 1
+    message = str(_rank_failed_error(failures, started=True))
     assert message.startswith("rank 1 was killed by SIGKILL before returning a result")
     assert "rank 0 raised RuntimeError" in message
     assert "(a consequence: a peer went away)" in message

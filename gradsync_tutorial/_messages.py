@@ -1,0 +1,112 @@
+"""What the launcher and a worker say to each other, one small class per message.
+
+The launcher (:mod:`gradsync_tutorial._processes`) and each worker
+(:mod:`gradsync_tutorial._worker`) exchange these over a
+:class:`multiprocessing.connection.Connection`, which pickles them. Both sides import this
+module, so it imports nothing heavy (no torch).
+
+    >>> from gradsync_tutorial._messages import Finished
+    >>> Finished(job_id=1, result=b"...").job_id
+    1
+
+Launcher -> worker: :class:`Job`, :class:`Teardown`, :class:`StackRequest`.
+Worker -> launcher: :class:`Finished`, :class:`Raised`, :class:`Ready`, :class:`StackReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# -- launcher -> worker ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """Run ``fn(rank, world_size, *args)`` once; ``payload`` is ``cloudpickle((fn, args))``."""
+
+    job_id: int
+    payload: bytes
+    env: dict[str, str]  # the notebook's environment plus torchrun's variables
+    cwd: str
+    sys_path: list[str]
+    backend: str
+    device: str
+    num_threads: int
+    collective_timeout: float
+    sources: dict[str, list[str]] = field(default_factory=dict)  # cell file -> its lines
+
+
+@dataclass(frozen=True)
+class Teardown:
+    """The job is over on every rank: destroy the process group, then say :class:`Ready`."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class StackRequest:
+    """The launch timed out: report where the job's main thread is (:class:`StackReport`)."""
+
+    job_id: int
+
+
+# -- worker -> launcher ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Finished:
+    """``fn`` returned; ``result`` is its return value, cloudpickled."""
+
+    job_id: int
+    result: bytes
+
+
+@dataclass(frozen=True)
+class Raised:
+    """``fn`` raised (or its result could not be sent back).
+
+    ``lost_peer``: the exception came out of torch.distributed because a peer's connection
+    closed, so this rank most likely failed as a *consequence* of another rank's failure.
+    ``exit_code``: set when ``fn`` called ``sys.exit(code)`` with a non-zero code.
+    """
+
+    job_id: int
+    exc_type: str
+    message: str
+    traceback: str
+    exception: bytes | None  # the exception, cloudpickled, when the notebook can rebuild it
+    lost_peer: bool = False
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker tore the job's process group down and waits for the next job."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of the rank's own code: file, line, function, and the source line."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str
+
+
+@dataclass(frozen=True)
+class StackReport:
+    """Where a rank's job was when the launcher asked.
+
+    ``frames``: the rank's own frames, outermost first (the launcher's and torch's left out).
+    ``waiting_in``: the innermost call it is blocked in below its own code (for example
+    ``"torch.distributed.all_reduce"``), or ``""``. ``collectives``: how many collective calls
+    it had entered so far, ``None`` if unknown.
+    """
+
+    job_id: int
+    frames: tuple[Frame, ...]
+    waiting_in: str
+    collectives: int | None
