@@ -1,5 +1,6 @@
 # make lab   - set up .venv (first time only) and open the course in JupyterLab
 # make test  - set up .venv (first time only) and run every test, notebooks included (nbval)
+# make e2e   - only the end-to-end suite: the course in JupyterLab, in Chromium (tests/e2e)
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
 # make doctor - is this machine ready? versions, data, a 2-rank launch, expected notebook times
 # make bench - the benchmark scripts (ratios measured side by side in one run)
@@ -14,7 +15,7 @@ DATA_FLAGS ?=
 PY     ?= $(BIN)/python
 NB     ?=
 
-.PHONY: install lab test data doctor bench lint clean notebooks
+.PHONY: install lab test e2e data doctor bench lint clean notebooks
 
 install: $(STAMP)
 
@@ -22,7 +23,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -e '.[dev,e2e]'
 	touch $(STAMP)
 
 data: $(STAMP)
@@ -37,6 +38,9 @@ lab: data
 
 test: data
 	$(BIN)/python -m pytest
+
+e2e: data
+	$(BIN)/python -m pytest -m e2e tests/e2e
 
 bench: data
 	$(BIN)/python benchmarks/launch_overhead.py
