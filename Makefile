@@ -7,6 +7,8 @@
 # make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
 #   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
+# make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
+#   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -15,7 +17,7 @@ DATA_FLAGS ?=
 PY     ?= $(BIN)/python
 NB     ?=
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images
 
 install: $(STAMP)
 
@@ -50,6 +52,10 @@ bench: data
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) scripts/notebooks.py $(NB)
+
+images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
+	$(PY) images/draw_allreduce.py
+	$(PY) scripts/notebooks.py --images
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

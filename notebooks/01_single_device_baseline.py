@@ -46,6 +46,7 @@ print(f"train {tuple(images.shape)}, test {tuple(test_images.shape)}, "
 # two convolutions, dropout, two linear layers (`gst.model.Net`).
 
 # %%
+# NBVAL_CHECK_OUTPUT
 torch.manual_seed(SEED)
 print(gst.model.Net())
 print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
@@ -88,7 +89,6 @@ def accuracy(model, images, labels, device, batch_size=1000):
 # Train on one device: a GPU if there is one, else the CPU.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(SEED)  # the initial weights
 model = gst.model.Net().to(device)
@@ -118,7 +118,6 @@ assert last < first
 assert baseline_accuracy > (0.2 if SMOKE_TEST else 0.5)
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 fig = gst.plots.plot_loss_curves([], baseline=baseline_losses, title="Single-device baseline")
 
 
@@ -129,6 +128,7 @@ fig = gst.plots.plot_loss_curves([], baseline=baseline_losses, title="Single-dev
 # notebooks compare a distributed run against this one number by number.
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def short_run(steps=5):
     torch.manual_seed(SEED)
     m = gst.model.Net()

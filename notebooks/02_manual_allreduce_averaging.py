@@ -70,7 +70,6 @@ def average_gradients(model):
 # First, the collective itself: each rank starts with a different tensor and all end with the sum.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 def show_all_reduce(rank, world_size):
     t = torch.tensor([10.0 * (rank + 1), 1.0])
     before = t.clone()
@@ -81,6 +80,7 @@ def show_all_reduce(rank, world_size):
 sums = gst.launch(show_all_reduce, world_size=WORLD_SIZE)
 
 # %%
+# NBVAL_CHECK_OUTPUT
 expected = torch.tensor([10.0 * sum(range(1, WORLD_SIZE + 1)), WORLD_SIZE])
 assert all(torch.equal(s, expected) for s in sums)
 print("every rank received", expected.tolist())
@@ -118,7 +118,6 @@ optimizer.step()
 states = gst.launch(one_step, world_size=WORLD_SIZE, args=(batch,))
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 diff = gst.checks.compare_state_dicts(
     states[0], single.state_dict(), names=("rank 0", "single process")
 )
@@ -166,7 +165,6 @@ def train(rank, world_size, epochs, average=average_gradients, lr=LR, optim="sgd
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 baseline = gst.launch(train, world_size=1, args=(EPOCHS,))[0]
 results = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
 
@@ -174,7 +172,6 @@ results = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
 # After training, the replicas are still identical, parameter for parameter:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 rank_diff = gst.checks.compare_ranks([r["state"] for r in results])
 
 # %%
@@ -185,8 +182,7 @@ assert rank_diff == 0.0
 # Each rank's loss is measured on its own half of the batch, so the curves wiggle around each other
 # and around the single-process baseline (dashed); they follow the same path.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["image:loss_curves_manual.png"]
 fig = gst.plots.plot_loss_curves(
     [r["losses"] for r in results],
     baseline=baseline["losses"],
@@ -220,7 +216,6 @@ def sum_gradients(model):  # the popular answer: no division
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 no_divide = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, sum_gradients))
 lr_times_n = gst.launch(
     train, world_size=WORLD_SIZE, args=(EPOCHS, average_gradients, LR * WORLD_SIZE)
@@ -236,7 +231,6 @@ assert diff <= 1e-5
 # larger than the one you chose, and changes again when you change the number of GPUs.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 fig = gst.plots.plot_loss_curves(
     {"correct average, rank 0": results[0]["losses"],
      "no division, rank 0": no_divide[0]["losses"]},
@@ -252,7 +246,6 @@ fig = gst.plots.plot_loss_curves(
 # Only $\epsilon$ differs: the bug equals correct averaging with $\epsilon / N$.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 ADAM_LR = 1e-3
 adam = [  # one epoch each: average, no division, average with eps / N
     gst.launch(train, world_size=WORLD_SIZE, args=(1, average, ADAM_LR, "adam", eps))
@@ -285,7 +278,26 @@ assert eps_diff <= 1e-6  # and what remains is exactly eps / N
 # %% [markdown]
 # ## Copy this into your code
 #
+# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`: `average_gradients` and the three lines that call it
+# are the part to copy; the rest checks, on every rank, that the averaged gradient is the one of
+# the whole batch.
+#
+# <!-- snippets/02_average_gradients.py -->
 # ```python
+# """Notebook 02, copy this into your code: average the gradients by hand, SUM then divide.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/02_average_gradients.py
+# """
+#
+# import copy
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+#
+#
 # def average_gradients(model):
 #     world_size = dist.get_world_size()
 #     for param in model.parameters():
@@ -294,9 +306,32 @@ assert eps_diff <= 1e-6  # and what remains is exactly eps / N
 #         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # every rank receives the sum
 #         param.grad /= world_size                            # the mean
 #
-# loss.backward()
-# average_gradients(model)
-# optimizer.step()
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     torch.manual_seed(0)                       # the same initial weights on every rank
+#     model = nn.Linear(20, 3)
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#     x, y = torch.randn(64, 20), torch.randint(0, 3, (64,))  # one global batch...
+#     shard = slice(rank, None, world_size)                   # ...a different shard on each rank
+#     whole = copy.deepcopy(model)               # for the check below: one process, all 64
+#
+#     loss = F.cross_entropy(model(x[shard]), y[shard])
+#     loss.backward()
+#     average_gradients(model)
+#     optimizer.step()
+#
+#     # Check: every rank holds the gradient of the loss over the whole batch, as one process would.
+#     F.cross_entropy(whole(x), y).backward()
+#     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+#         torch.testing.assert_close(p.grad, q.grad)
+#     print(f"rank {rank}: averaged gradient == gradient of the whole batch")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
 #
 # Start every rank from the same weights (same seed, or a broadcast from rank 0) and give each

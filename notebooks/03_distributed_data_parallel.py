@@ -38,6 +38,7 @@ import gradsync_tutorial as gst
 # same order: notebook 04.)
 
 # %%
+# NBVAL_CHECK_OUTPUT
 images, labels = gst.data.load(train=True)
 images, labels = images[:N_TRAIN], labels[:N_TRAIN]
 dataset = TensorDataset(images, labels)
@@ -99,7 +100,6 @@ def train(rank, world_size, epochs, use_ddp=True, seed_per_rank=False):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, True))
 manual = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, False))
 
@@ -114,7 +114,6 @@ manual = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, False))
 # bits can differ: hence the tolerance.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
 
 # %%
@@ -126,8 +125,7 @@ if WORLD_SIZE == 2:  # exact
 assert gst.checks.compare_ranks([r["state"] for r in ddp], show=False) == 0.0
 print("DDP's replicas are identical across ranks")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["image:loss_curves_ddp.png"]
 fig = gst.plots.plot_loss_curves(
     [r["losses"] for r in ddp], baseline={"manual averaging, rank 0": manual[0]["losses"]},
     title=f"DDP on {WORLD_SIZE} ranks vs manual averaging",
@@ -143,7 +141,6 @@ fig = gst.plots.plot_loss_curves(
 # replicas agree from the first step.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 ddp_seeded = gst.launch(train, world_size=WORLD_SIZE, args=(1, True, True))
 manual_seeded = gst.launch(train, world_size=WORLD_SIZE, args=(1, False, True))
 
@@ -159,19 +156,62 @@ assert ddp_gap == 0.0 and manual_gap > 1e-2
 # %% [markdown]
 # ## Copy this into your code
 #
+# `snippets/03_ddp.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`: DDP, the sampler and its `set_epoch`, the loop over a
+# `DataLoader` that deals each rank its shard, and a checkpoint written by rank 0 alone, then a
+# `dist.barrier()` (notebook 06 says why).
+#
+# <!-- snippets/03_ddp.py -->
 # ```python
-# model = DDP(model.to(device))          # after init_process_group; device_ids=[local_rank] on GPU
-# sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
-# for epoch in range(epochs):
-#     sampler.set_epoch(epoch)            # or every epoch repeats the same order
-#     for x, y in DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler):
-#         optimizer.zero_grad()
-#         loss_fn(model(x), y).backward()  # gradients are averaged across ranks here
-#         optimizer.step()
-# torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
+# """Notebook 03, copy this into your code: DistributedDataParallel, a sampler, a checkpoint.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/03_ddp.py
+# """
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+# from torch.nn.parallel import DistributedDataParallel as DDP
+# from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+#
+# SEED = 1234
+#
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank, and device_ids=[local_rank]
+#     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
+#                             torch.arange(512) % 3)
+#     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
+#
+#     model = DDP(nn.Linear(20, 3))  # after init_process_group: copies rank 0's weights to all
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
+#     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)
+#     for epoch in range(epochs):
+#         sampler.set_epoch(epoch)               # or every epoch repeats the same order
+#         for x, y in loader:
+#             optimizer.zero_grad()
+#             F.cross_entropy(model(x), y).backward()  # gradients are averaged across ranks here
+#             optimizer.step()
+#
+#     if rank == 0:                              # one file, written once
+#         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
+#     dist.barrier()                             # no rank reads it, or exits, before it is written
+#
+#     # Check: the file holds every rank's weights (the replicas are equal).
+#     saved = torch.load(path, map_location="cpu", weights_only=True)
+#     for name, p in model.module.state_dict().items():
+#         assert torch.equal(saved[name], p), name
+#     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
-
-# %% [markdown]
+#
 # ## Exercise
 #
 # DDP copies rank 0's weights to every rank when it is built. Do it by hand: write

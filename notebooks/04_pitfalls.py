@@ -114,7 +114,6 @@ def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sha
 # The correct run, for reference: the replicas agree after every step.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 correct = gst.launch(train, world_size=WORLD_SIZE)
 
 # %%
@@ -147,11 +146,11 @@ def one_gradient(rank, world_size, divide):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 summed = gst.launch(one_gradient, WORLD_SIZE, args=(False,))[0]
 mean = gst.launch(one_gradient, WORLD_SIZE, args=(True,))[0]
 
 # %%
+# NBVAL_CHECK_OUTPUT
 ratio = (summed.norm() / mean.norm()).item()
 print(f"|gradient without dividing| / |mean gradient| = {ratio:.4f} (world size {WORLD_SIZE})")
 assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
@@ -169,7 +168,6 @@ assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
 # The fix, run alongside: broadcast rank 0's parameters before training.
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 seeded_per_rank = gst.launch(partial(train, seed_per_rank=True), WORLD_SIZE)
 broadcast = gst.launch(partial(train, seed_per_rank=True, broadcast=True), WORLD_SIZE)
 
@@ -185,7 +183,6 @@ assert gap[0] > 0.01  # far apart...
 assert abs(gap[-1] - gap[0]) <= 1e-5  # ...and they stay exactly as far apart
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 fig = gst.plots.plot_loss_curves(
     [gap, broadcast[0]["rank_diff"]], labels=["seed per rank", "seed per rank + broadcast"],
     title="Replicas seeded differently never agree", ylabel="max |rank - rank 0|",
@@ -247,7 +244,6 @@ def one_epoch(rank, world_size, use_sampler):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 unsharded = gst.launch(one_epoch, WORLD_SIZE, args=(False,))
 sharded = gst.launch(one_epoch, WORLD_SIZE, args=(True,))
 
@@ -312,7 +308,6 @@ def epoch_orders(rank, world_size, set_epoch, epochs=3):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 same = gst.launch(epoch_orders, WORLD_SIZE, args=(False,))
 reshuffled = gst.launch(epoch_orders, WORLD_SIZE, args=(True,))
 
@@ -379,7 +374,6 @@ def uneven_step(rank, world_size, weighted):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 mean_of_means = gst.launch(uneven_step, WORLD_SIZE, args=(False,))
 weighted = gst.launch(uneven_step, WORLD_SIZE, args=(True,))
 
@@ -485,7 +479,6 @@ def train_join(rank, world_size, n=N_UNEVEN):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 padded = gst.launch(partial(train, n=N_UNEVEN, sharding="pad", check_steps=True), WORLD_SIZE)
 cut = gst.launch(partial(train, n=N_UNEVEN, sharding="drop_last", check_steps=True), WORLD_SIZE)
 joined = gst.launch(train_join, WORLD_SIZE)
@@ -545,6 +538,7 @@ def log_final_loss_counted(rank, world_size):
 
 
 # %%
+# NBVAL_CHECK_OUTPUT
 results = gst.launch(log_final_loss_counted, WORLD_SIZE)
 print("(mean loss, collective calls) per rank:", results)
 assert results == [((WORLD_SIZE + 1) / 2, 1)] * WORLD_SIZE
@@ -634,11 +628,11 @@ except gst.RankFailedError as err:
 # autograd graph in every iteration, which costs time). Both train, and the replicas agree:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
 find_unused = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters",))
 
 # %%
+# NBVAL_CHECK_OUTPUT
 print("parameters without a gradient:", skip_none[0]["no_grad"])
 print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),",
       find_unused[0]["rank_diff"], "(DDP)")
@@ -653,12 +647,17 @@ assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
 # `find_unused_parameters=True` handles it by itself. Here only rank 0 uses `aux_head`:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 only_rank_0 = (0,)  # the ranks that use aux_head
 zeros = gst.launch(train_unused, WORLD_SIZE, args=("zeros", only_rank_0))
 ddp_rank_0 = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters", only_rank_0))
 
+# %% [markdown]
+# Rank 0's warning, `find_unused_parameters=True was specified`, is expected: rank 0 uses every
+# parameter, so DDP found nothing unused *there*. Rank 1 skips `aux_head`, and that is why the
+# flag is needed (the warning looks at one rank only). Both fixes keep the replicas equal:
+
 # %%
+# NBVAL_CHECK_OUTPUT
 print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
       ddp_rank_0[0]["rank_diff"], "(DDP)")
 assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
@@ -702,7 +701,6 @@ def train_bn(rank, world_size, mode, steps=3):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 bn_manual = gst.launch(train_bn, WORLD_SIZE, args=("manual",))[0]
 bn_ddp = gst.launch(train_bn, WORLD_SIZE, args=("DDP",))[0]
 
@@ -743,7 +741,6 @@ print("on the CPU:", message)
 assert message.startswith("SyncBatchNorm expected input tensor to be on GPU")
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE:  # a GPU per rank
     bn_sync = gst.launch(train_bn, WORLD_SIZE, args=("SyncBatchNorm",))[0]
     print("SyncBatchNorm, max difference between ranks:", bn_sync)
@@ -791,7 +788,6 @@ def train_accumulate(rank, world_size, use_ddp, sync_every_micro_batch, steps=3)
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 accumulated = {
     (use_ddp, every): gst.launch(train_accumulate, WORLD_SIZE, args=(use_ddp, every))[0]
     for use_ddp in (False, True) for every in (True, False)
@@ -830,7 +826,6 @@ def global_loss(loss):  # the fix: every rank calls it, every rank gets the same
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 logged_global = gst.launch(partial(train, log=global_loss), WORLD_SIZE)
 
 # %% [markdown]
@@ -849,7 +844,6 @@ assert (logged - mean_of_ranks).abs().max() <= 1e-5  # = the mean of the ranks' 
 assert off.mean() > 1e-3
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 fig = gst.plots.plot_loss_curves(
     [r["logged"] for r in correct], baseline={"global loss (all-reduced)": logged},
     labels=[f"rank {r}'s own loss" for r in range(WORLD_SIZE)],
@@ -860,31 +854,110 @@ fig = gst.plots.plot_loss_curves(
 # %% [markdown]
 # ## Copy this into your code
 #
-# ```python
-# torch.manual_seed(SEED)                                # 2: the same seed on every rank...
-# for p in model.parameters():
-#     dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
-# gst.checks.assert_equal_across_ranks(model, buffers=True)      # 2, 9: now and then
+# `snippets/04_pitfall_fixes.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`, in plain torch: the three checks `gst.checks` and
+# `gst.detect` do here take a few lines each. The numbers are the pitfalls'. Its end is the DDP
+# form of pitfall 5's fix (DDP divides by the world size, so scale this rank's part by it),
+# checked against the loop's on uneven local batches.
 #
-# sampler = DistributedSampler(dataset, shuffle=True, seed=SEED) # 3, 6: equal, disjoint shards
-# loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
-# gst.detect.assert_disjoint_shards(list(sampler))       # 3
-# gst.detect.assert_same_across_ranks(len(loader), "batches per epoch")  # 6
-# for epoch in range(epochs):
-#     sampler.set_epoch(epoch)                           # 4
-#     for step, (x, y) in enumerate(loader):
-#         loss_sum = F.cross_entropy(model(x), y, reduction="sum")
-#         totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
-#         dist.all_reduce(totals)                        # 5, 7, 11: on every rank
-#         (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
-#         for p in model.parameters():
-#             if p.grad is None:                         # 8 (zeros if the ranks may differ)
-#                 continue
-#             dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
-#         optimizer.step()
-#         optimizer.zero_grad()
-#         if rank == 0 and step % 10 == 0:
-#             print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+# <!-- snippets/04_pitfall_fixes.py -->
+# ```python
+# """Notebook 04, copy this into your code: the training loop with every pitfall's fix (numbers).
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/04_pitfall_fixes.py
+# """
+#
+# import copy
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+# from torch.nn.parallel import DistributedDataParallel as DDP
+# from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+#
+# SEED = 1234
+#
+#
+# def assert_same_across_ranks(value, what):     # 6: a count every rank must agree on
+#     everyone = [None] * dist.get_world_size()
+#     dist.all_gather_object(everyone, value)
+#     assert all(v == everyone[0] for v in everyone), f"{what} differ across ranks: {everyone}"
+#
+#
+# def assert_disjoint_shards(indices):          # 3: no sample read by two ranks
+#     everyone = [None] * dist.get_world_size()
+#     dist.all_gather_object(everyone, list(indices))
+#     seen = [i for shard in everyone for i in shard]
+#     repeats = len(seen) - len(set(seen))       # DistributedSampler pads with < world_size
+#     assert repeats < dist.get_world_size(), f"{repeats} samples are on several ranks"
+#
+#
+# def assert_equal_replicas(model):             # 2, 9: every rank holds rank 0's weights
+#     mine = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
+#     rank_0 = mine.clone()
+#     dist.broadcast(rank_0, src=0)
+#     differ = torch.tensor([float(not torch.equal(mine, rank_0))])
+#     dist.all_reduce(differ)                    # every rank learns it, so every rank raises
+#     assert differ.item() == 0, "the replicas differ"
+#
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     rank = dist.get_rank()
+#     dataset = TensorDataset(torch.randn(500, 20, generator=torch.Generator().manual_seed(SEED)),
+#                             torch.arange(500) % 3)
+#     per_rank_batch, epochs = 32, 2
+#
+#     torch.manual_seed(SEED)                                # 2: the same seed on every rank...
+#     model = nn.Linear(20, 3)
+#     for p in model.parameters():
+#         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
+#     assert_equal_replicas(model)                           # 2, 9: now and then
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#
+#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # 3, 6: equal, disjoint shards
+#     loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
+#     assert_disjoint_shards(sampler)                        # 3
+#     assert_same_across_ranks(len(loader), "batches per epoch")  # 6
+#     for epoch in range(epochs):
+#         sampler.set_epoch(epoch)                           # 4
+#         for step, (x, y) in enumerate(loader):
+#             loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+#             totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
+#             dist.all_reduce(totals)                        # 5, 7, 11: on every rank
+#             (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
+#             for p in model.parameters():
+#                 if p.grad is None:                         # 8 (zeros if the ranks may differ)
+#                     continue
+#                 dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
+#             optimizer.step()
+#             optimizer.zero_grad()
+#             if rank == 0 and step % 10 == 0:
+#                 print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+#     assert_equal_replicas(model)
+#
+#     # 5 with DDP: DDP divides the summed gradients by world_size, so scale this rank's part by
+#     # world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on odd ones.
+#     n = 8 - 3 * (rank % 2)
+#     x, y = dataset[rank * 8 : rank * 8 + n]
+#     ddp = DDP(copy.deepcopy(model))
+#     loss_sum = F.cross_entropy(ddp(x), y, reduction="sum")
+#     count = torch.tensor(float(len(y)))
+#     dist.all_reduce(count)
+#     (loss_sum * dist.get_world_size() / count).backward()  # 5, with DDP
+#     loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+#     (loss_sum / count).backward()                          # 5, by hand as above
+#     for p in model.parameters():
+#         dist.all_reduce(p.grad)
+#     for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True):
+#         torch.testing.assert_close(p.grad, q.grad)
+#     print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
 #
 # With DDP: `DDP(model)` (2), `find_unused_parameters=True` only if needed (8),

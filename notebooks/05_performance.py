@@ -80,13 +80,11 @@ def time_all_reduce(rank, world_size, sizes):
 SIZES = [10**k for k in range(6 if SMOKE_TEST else 8)]  # 1 ... 10 million floats
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 ms = gst.launch(time_all_reduce, world_size=WORLD_SIZE, args=(SIZES,))[0]
 for n, t in ms.items():
     print(f"all_reduce of {n:>10,} floats ({4 * n / 1e6:9.6f} MB): {t:7.3f} ms")
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 big = max(SIZES)
 print(f"10,000 floats take {ms[10_000] / ms[100]:.1f}x the time of 100 floats; "
       f"{big:,} floats take {ms[big] / ms[100]:.0f}x")
@@ -96,7 +94,6 @@ print(f"10,000 floats take {ms[10_000] / ms[100]:.1f}x the time of 100 floats; "
 # floats. All of them sit on the flat, latency-bound part of the curve:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 net = gst.model.Net()
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.loglog(list(ms), list(ms.values()), "o-", label=f"one all_reduce, {WORLD_SIZE} ranks")
@@ -131,7 +128,6 @@ def time_averaging(rank, world_size, reps):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 reps = 20 if SMOKE_TEST else 200
 averaging_ms = gst.launch(time_averaging, world_size=WORLD_SIZE, args=(reps,))[0]
 for name, t in averaging_ms.items():
@@ -171,7 +167,6 @@ show(gst.averaging.FlatAverager)
 # does not depend on how busy the machine is); the times show what they cost here:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 try:
     import resource  # Linux and macOS: the process's page-fault counter
 except ImportError:  # Windows
@@ -199,7 +194,6 @@ for name in copy_ms:
     print(f"{name:>18}: {copy_ms[name]:5.1f} ms, {faults[name]:6,} page faults")
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 pages = buffer.numel() * buffer.element_size() // 4096  # 4-KB pages
 if resource:  # every step, the fresh buffer faults its pages in again; the kept one never does
     assert faults["fresh torch.cat"] >= 10 * (faults["into a kept buffer"] + 1)
@@ -226,6 +220,7 @@ show(gst.averaging.BucketedAverager)
 # buckets on this small model, we use a tiny cap of 0.015 MiB (15.4 KiB) from here on:
 
 # %%
+# NBVAL_CHECK_OUTPUT
 BUCKET_CAP_MB = 0.015
 names = {p: name for name, p in net.named_parameters()}
 buckets = gst.averaging.make_buckets(net.parameters(), BUCKET_CAP_MB)
@@ -257,6 +252,7 @@ show(gst.averaging.OverlappedAverager)
 # that backward computes, counts the buckets already launched when it arrives:
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def overlap_probe(rank, world_size, cap):
     torch.manual_seed(SEED)
     model = gst.model.Net()
@@ -326,7 +322,6 @@ def train(rank, world_size, variant, epochs, options=None, comm_hook=None):
 # one after the other; the benchmark below measures the ratios with more care.)
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 runs = {}
 for variant in gst.averaging.VARIANTS:
     runs[variant] = gst.launch(train, world_size=WORLD_SIZE,
@@ -359,12 +354,10 @@ for variant, results in runs.items():
 # communication. This cell runs it as `python benchmarks/averaging.py` does:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 bench = runpy.run_path("../benchmarks/averaging.py")  # the benchmark script's functions
 rows = bench["run"](world_sizes=(WORLD_SIZE,) if SMOKE_TEST else (2, 4), models=("cnn", "mlp"))
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 cases = sorted({(r["model"], r["ranks"]) for r in rows}, key=lambda c: (c[1], c[0]))
 fig, ax = plt.subplots(figsize=(9, 3.8))
 names = [*gst.averaging.VARIANTS, "compute only"]
@@ -421,7 +414,6 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 show(default_hooks.fp16_compress_hook)
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 knobs = {
     "ddp": {"variant": "ddp"},
     "bucket_cap_mb=1": {"variant": "ddp", "bucket_cap_mb": 1},
@@ -444,7 +436,6 @@ knob_rows = bench["run"](world_sizes=(WORLD_SIZE,), models=("mlp",), specs=knobs
 # float16 hook rounds every gradient to 3 significant digits before sending it:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
 knob_runs = {
     "bucket_cap_mb=25 (default)": gst.launch(train, world_size=WORLD_SIZE, args=("ddp", EPOCHS)),
@@ -491,6 +482,7 @@ for n in (2, 3, 4):
 #   into zeros where summing first does not. Here, with real `all_reduce` calls in float16:
 
 # %%
+# NBVAL_CHECK_OUTPUT
 def fp16_orders(rank, world_size):
     grad = torch.tensor([40_000.0, 2**-24, 1.0], dtype=torch.float16)  # large, the tiniest, 1
     sum_first = grad.clone().to(gst.local_device())
@@ -566,26 +558,64 @@ for n, results in ring_rows.items():
 # ## Copy this into your code
 #
 # Use DDP (notebook 03): it buckets, overlaps, and is tested. If you must average by hand,
-# make **one** call per step, not one per parameter:
+# make **one** call per step, not one per parameter, as `FlatAverager` does. The script
+# `snippets/05_flat_averager.py`, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`, checks it against notebook 02's loop:
 #
+# <!-- snippets/05_flat_averager.py -->
 # ```python
+# """Notebook 05, copy this into your code: one all_reduce per step for all the gradients.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/05_flat_averager.py
+# """
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+#
+#
 # class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
 #     def __init__(self, model):
 #         self.params = [p for p in model.parameters() if p.requires_grad]
 #         self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
 #                                   device=self.params[0].device)
 #         pieces = self.buffer.split([p.numel() for p in self.params])
-#         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params)]
+#         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params, strict=True)]
 #
 #     def __call__(self):
-#         for p, slot in zip(self.params, self.slots):
+#         for p, slot in zip(self.params, self.slots, strict=True):
 #             slot.copy_(p.grad)                                    # flatten
 #         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
-#         for p, slot in zip(self.params, self.slots):
+#         for p, slot in zip(self.params, self.slots, strict=True):
 #             torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
+#
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     rank = dist.get_rank()
+#     torch.manual_seed(0)                       # the same initial weights on every rank
+#     model = nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 3))
+#     average = FlatAverager(model)
+#     x, y = torch.randn(8, 20) * (rank + 1), torch.randint(0, 3, (8,))  # this rank's batch
+#
+#     F.cross_entropy(model(x), y).backward()
+#     grads = [p.grad.clone() for p in model.parameters()]  # for the check below
+#     average()
+#
+#     # Check: the same mean as notebook 02's loop, one all_reduce per parameter.
+#     for p, g in zip(model.parameters(), grads, strict=True):
+#         dist.all_reduce(g)
+#         torch.testing.assert_close(p.grad, g / dist.get_world_size())
+#     print(f"rank {rank}: one all_reduce, the same mean gradient as one per parameter")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
 #
-# and to hide the communication behind backward, start each bucket's call from
+# To hide the communication behind backward, start each bucket's call from
 # `param.register_post_accumulate_grad_hook` with `async_op=True`, in the same order on every
 # rank, and `wait()` before `optimizer.step()` (`gst.averaging.OverlappedAverager`).
 #

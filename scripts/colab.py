@@ -16,8 +16,9 @@ run with another URL replaces what the first wrote):
 On Colab the rest works as it does on a laptop: the data comes through torchvision's download,
 the ranks run on the runtime's CPU cores with gloo, or on its GPU (nccl needs one GPU per rank, so
 a 1-GPU runtime with ``WORLD_SIZE = 2`` runs gloo on the CPUs). Afterwards, re-execute the
-notebooks (the new cell has no output yet) and commit. Images linked as ``../images/...`` in
-markdown cells do not show on Colab, which fetches the notebook alone.
+notebooks (the new cell has no output yet: ``make notebooks``) and commit. Each notebook's
+source, ``notebooks/NN_*.py``, gets the same changes, so the two stay in sync. Images linked as
+``../images/...`` in markdown cells do not show on Colab, which fetches the notebook alone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import re
 import sys
 from pathlib import Path
 
+import jupytext
 import nbformat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,8 +72,23 @@ def course_notebooks(root: Path) -> list[Path]:
 
 
 def add_to_notebook(path: Path, owner: str, name: str, branch: str, root: Path) -> None:
-    """Badge under the title, install cell before the first code cell; replaces earlier ones."""
+    """Badge under the title, install cell before the first code cell; replaces earlier ones.
+
+    In the notebook and in its jupytext source next to it (``NN_*.py``), if there is one.
+    """
     nb = nbformat.read(path, as_version=4)
+    _add(nb, path, owner, name, branch, root)
+    nbformat.validate(nb)
+    nbformat.write(nb, path)
+    source = path.with_suffix(".py")
+    if source.exists():
+        text = jupytext.read(source, fmt="py:percent")
+        _add(text, path, owner, name, branch, root)
+        jupytext.write(text, source, fmt="py:percent")
+
+
+def _add(nb: nbformat.NotebookNode, path: Path, owner: str, name: str, branch: str,
+         root: Path) -> None:
     title = nb.cells[0]
     if title.cell_type != "markdown" or not title.source.startswith("# "):
         raise ValueError(f"{path}: the first cell should be the notebook's markdown title")
@@ -82,12 +99,12 @@ def add_to_notebook(path: Path, owner: str, name: str, branch: str, root: Path) 
 
     url = f"https://github.com/{owner}/{name}"
     source = SETUP_CELL.format(url=url, branch=branch).rstrip("\n")
-    cells = [c for c in nb.cells if c.get("id") != SETUP_CELL_ID]
+    first_line = SETUP_CELL.splitlines()[0]  # a source (.py) keeps no cell ids
+    cells = [c for c in nb.cells
+             if c.get("id") != SETUP_CELL_ID and not c.source.startswith(first_line)]
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     setup = nbformat.v4.new_code_cell(source, id=SETUP_CELL_ID)
     nb.cells = cells[:first_code] + [setup] + cells[first_code:]
-    nbformat.validate(nb)
-    nbformat.write(nb, path)
 
 
 def add_to_readme(readme: Path, owner: str, name: str, branch: str) -> int:
@@ -125,7 +142,8 @@ def main(argv: list[str] | None = None, root: Path = REPO) -> int:
     rows = add_to_readme(root / "README.md", owner, name, args.branch)
     print(f"{len(notebooks)} notebooks and {rows} README rows now open in Colab from "
           f"https://github.com/{owner}/{name}/tree/{args.branch}")
-    print("Next: re-execute the notebooks (the install cell has no output yet), then commit.")
+    print("Next: re-execute the notebooks (make notebooks: the install cell has no output yet), "
+          "then commit.")
     return 0
 
 

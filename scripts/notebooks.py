@@ -3,6 +3,7 @@
     python scripts/notebooks.py            # every notebook (what `make notebooks` runs)
     python scripts/notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
     python scripts/notebooks.py 02 --no-execute   # markdown-only change: keep the outputs
+    python scripts/notebooks.py --images   # images/*.png from the notebooks (`make images`)
 
 Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
 what people edit and review. The ``.ipynb`` with outputs is what readers open and what nbval runs.
@@ -18,12 +19,21 @@ Building one:
 
 Python and the kernel: the kernel is this interpreter's ``python3`` kernel and inherits its
 environment (``PYTHONPATH`` included).
+
+Snippets: a markdown block that follows ``<!-- snippets/NN_x.py -->`` is filled with that file
+(a script the tests run under torchrun) when the notebook is built, in the source and so in the
+notebook: what a reader copies is code that ran.
+
+Figures: running a notebook writes no file. A plot the README shows comes from a cell tagged
+``image:NAME.png``; ``--images`` copies that cell's committed output to ``images/NAME.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,6 +47,9 @@ NOTEBOOKS = REPO / "notebooks"
 SOURCE_FORMAT = "py:percent"
 # Cell metadata that says when a cell ran, not what it is: never committed.
 VOLATILE_CELL_METADATA = ("execution", "ExecuteTime")
+IMAGE_TAG = "image:"  # a cell tagged image:NAME.png draws images/NAME.png
+# In a source: "<!-- snippets/NN_x.py -->", then a fenced python block (filled from the file).
+SNIPPET = re.compile(r"^# <!-- (snippets/[\w.-]+\.py) -->\n# ```python\n(?:#.*\n)*?# ```\n", re.M)
 
 
 def sources(root: Path = REPO) -> list[Path]:
@@ -94,6 +107,19 @@ def _strip_volatile(nb: nbformat.NotebookNode) -> None:
     nb.metadata.pop("jupytext", None)  # the pairing lives in pyproject.toml, not in each notebook
 
 
+def include_snippets(source: Path, root: Path = REPO) -> None:
+    """Fill each snippet block of ``source`` with its file, as it is now."""
+    def fill(match: re.Match) -> str:
+        lines = (root / match.group(1)).read_text().rstrip("\n").splitlines()
+        body = "".join(f"# {line}\n" if line else "#\n" for line in lines)
+        return f"# <!-- {match.group(1)} -->\n# ```python\n{body}# ```\n"
+
+    text = source.read_text()
+    filled = SNIPPET.sub(fill, text)
+    if filled != text:
+        source.write_text(filled)
+
+
 def assemble(source: Path) -> nbformat.NotebookNode:
     """The source's cells, with the existing notebook's cell ids and outputs where cells match."""
     nb = read_source(source)
@@ -122,15 +148,16 @@ def execute(nb: nbformat.NotebookNode, path: Path) -> None:
 
 def build(source: Path, run: bool = True) -> None:
     target = notebook_of(source)
+    include_snippets(source)
     nb = assemble(source)
     if run:
         started = time.monotonic()
         execute(nb, target)
         took = f"executed in {time.monotonic() - started:.0f} s"
     else:
-        old = {c.id: c.source for c in nbformat.read(target, as_version=4).cells}
+        old = {c.id: _code(c.source) for c in nbformat.read(target, as_version=4).cells}
         changed = [n for n, c in enumerate(nb.cells, start=1)
-                   if c.cell_type == "code" and old.get(c.get("id")) != c.source]
+                   if c.cell_type == "code" and old.get(c.get("id")) != _code(c.source)]
         if changed:
             raise SystemExit(f"{source.name}: code cells {changed} changed, so their outputs are "
                              f"stale: build it without --no-execute")
@@ -139,6 +166,33 @@ def build(source: Path, run: bool = True) -> None:
     nbformat.validate(nb)
     nbformat.write(nb, target)
     print(f"{target.relative_to(REPO)}: {took}", flush=True)
+
+
+def _code(source: str) -> str:
+    """A cell's code without nbval's comments (they change how nbval compares, not outputs)."""
+    return "\n".join(line for line in source.splitlines() if not line.startswith("# NBVAL_"))
+
+
+def figures(notebook: Path) -> dict[str, bytes]:
+    """``{"NAME.png": png}`` for each cell of ``notebook`` tagged ``image:NAME.png``."""
+    found = {}
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        for tag in cell.metadata.get("tags", []):
+            if tag.startswith(IMAGE_TAG):
+                pngs = [o.data["image/png"] for o in cell.get("outputs", [])
+                        if "image/png" in o.get("data", {})]
+                if len(pngs) != 1:
+                    raise SystemExit(f"{notebook.name}: the cell tagged {tag} shows "
+                                     f"{len(pngs)} PNG figures, expected 1")
+                found[tag[len(IMAGE_TAG):]] = base64.b64decode(pngs[0])
+    return found
+
+
+def write_images(root: Path = REPO) -> None:
+    for source in sources(root):
+        for name, png in figures(notebook_of(source)).items():
+            (root / "images" / name).write_bytes(png)
+            print(f"images/{name}: from {notebook_of(source).name}")
 
 
 def select(names: list[str], root: Path = REPO) -> list[Path]:
@@ -162,7 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("notebooks", nargs="*", help="NN or a notebook's name; default: all")
     parser.add_argument("--no-execute", action="store_true",
                         help="keep the outputs (refused when a code cell changed)")
+    parser.add_argument("--images", action="store_true",
+                        help="only write images/*.png from the committed notebooks' figures")
     args = parser.parse_args(argv)
+    if args.images:
+        write_images()
+        return 0
     for source in select(args.notebooks):
         build(source, run=not args.no_execute)
     return 0

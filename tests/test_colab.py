@@ -28,16 +28,19 @@ colab = _load_script()
 
 @pytest.fixture
 def course(tmp_path):
-    """A copy of the README and the notebooks, for the script to change."""
+    """A copy of the README, the notebooks and their sources, for the script to change."""
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     (tmp_path / "notebooks").mkdir()
     for path in colab.course_notebooks(REPO):
         shutil.copy(path, tmp_path / "notebooks" / path.name)
+        shutil.copy(path.with_suffix(".py"), tmp_path / "notebooks" / f"{path.stem}.py")
     return tmp_path
 
 
 def _state(root):
-    return {p.name: p.read_bytes() for p in [root / "README.md", *colab.course_notebooks(root)]}
+    notebooks = colab.course_notebooks(root)
+    return {p.name: p.read_bytes()
+            for p in [root / "README.md", *notebooks, *(n.with_suffix(".py") for n in notebooks)]}
 
 
 def test_every_notebook_gets_its_badge_and_install_cell_and_keeps_its_outputs(course, capsys):
@@ -60,6 +63,14 @@ def test_every_notebook_gets_its_badge_and_install_cell_and_keeps_its_outputs(co
         assert first_code is setup[0]
         rest = [c for c in nb.cells if c.get("id") != colab.SETUP_CELL_ID]
         assert [c.get("outputs") for c in rest[1:]] == [c.get("outputs") for c in old.cells[1:]]
+
+    # The sources got the same cells: the notebooks still match them (tests/test_notebook_sources).
+    spec = importlib.util.spec_from_file_location("nb_script", REPO / "scripts" / "notebooks.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for path in colab.course_notebooks(course):
+        source = script.read_source(path.with_suffix(".py"))
+        assert script.first_difference(nbformat.read(path, as_version=4), source) is None
 
     readme = (course / "README.md").read_text()
     for path in colab.course_notebooks(course):

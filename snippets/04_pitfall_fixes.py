@@ -1,0 +1,96 @@
+"""Notebook 04, copy this into your code: the training loop with every pitfall's fix (numbers).
+
+    torchrun --standalone --nproc-per-node 2 snippets/04_pitfall_fixes.py
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+SEED = 1234
+
+
+def assert_same_across_ranks(value, what):     # 6: a count every rank must agree on
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    assert all(v == everyone[0] for v in everyone), f"{what} differ across ranks: {everyone}"
+
+
+def assert_disjoint_shards(indices):          # 3: no sample read by two ranks
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(indices))
+    seen = [i for shard in everyone for i in shard]
+    repeats = len(seen) - len(set(seen))       # DistributedSampler pads with < world_size
+    assert repeats < dist.get_world_size(), f"{repeats} samples are on several ranks"
+
+
+def assert_equal_replicas(model):             # 2, 9: every rank holds rank 0's weights
+    mine = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
+    rank_0 = mine.clone()
+    dist.broadcast(rank_0, src=0)
+    differ = torch.tensor([float(not torch.equal(mine, rank_0))])
+    dist.all_reduce(differ)                    # every rank learns it, so every rank raises
+    assert differ.item() == 0, "the replicas differ"
+
+
+def main():
+    dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+    rank = dist.get_rank()
+    dataset = TensorDataset(torch.randn(500, 20, generator=torch.Generator().manual_seed(SEED)),
+                            torch.arange(500) % 3)
+    per_rank_batch, epochs = 32, 2
+
+    torch.manual_seed(SEED)                                # 2: the same seed on every rank...
+    model = nn.Linear(20, 3)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
+    assert_equal_replicas(model)                           # 2, 9: now and then
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # 3, 6: equal, disjoint shards
+    loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
+    assert_disjoint_shards(sampler)                        # 3
+    assert_same_across_ranks(len(loader), "batches per epoch")  # 6
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)                           # 4
+        for step, (x, y) in enumerate(loader):
+            loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+            totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
+            dist.all_reduce(totals)                        # 5, 7, 11: on every rank
+            (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
+            for p in model.parameters():
+                if p.grad is None:                         # 8 (zeros if the ranks may differ)
+                    continue
+                dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
+            optimizer.step()
+            optimizer.zero_grad()
+            if rank == 0 and step % 10 == 0:
+                print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+    assert_equal_replicas(model)
+
+    # 5 with DDP: DDP divides the summed gradients by world_size, so scale this rank's part by
+    # world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on odd ones.
+    n = 8 - 3 * (rank % 2)
+    x, y = dataset[rank * 8 : rank * 8 + n]
+    ddp = DDP(copy.deepcopy(model))
+    loss_sum = F.cross_entropy(ddp(x), y, reduction="sum")
+    count = torch.tensor(float(len(y)))
+    dist.all_reduce(count)
+    (loss_sum * dist.get_world_size() / count).backward()  # 5, with DDP
+    loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+    (loss_sum / count).backward()                          # 5, by hand as above
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
