@@ -2,7 +2,7 @@
 
     python scripts/notebooks.py            # every notebook (what `make notebooks` runs)
     python scripts/notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
-    python scripts/notebooks.py 02 --no-execute   # markdown-only change: keep the outputs
+    python scripts/notebooks.py 02 --no-execute   # markdown or NBVAL comments only: keep outputs
     python scripts/notebooks.py --images   # images/*.png from the notebooks (`make images`)
 
 Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
@@ -43,7 +43,6 @@ import nbformat
 from jupytext.combine import combine_inputs_with_outputs
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOKS = REPO / "notebooks"
 SOURCE_FORMAT = "py:percent"
 # Cell metadata that says when a cell ran, not what it is: never committed.
 VOLATILE_CELL_METADATA = ("execution", "ExecuteTime")
@@ -155,17 +154,17 @@ def build(source: Path, run: bool = True) -> None:
         execute(nb, target)
         took = f"executed in {time.monotonic() - started:.0f} s"
     else:
-        old = {c.id: _code(c.source) for c in nbformat.read(target, as_version=4).cells}
-        changed = [n for n, c in enumerate(nb.cells, start=1)
-                   if c.cell_type == "code" and old.get(c.get("id")) != _code(c.source)]
-        if changed:
-            raise SystemExit(f"{source.name}: code cells {changed} changed, so their outputs are "
-                             f"stale: build it without --no-execute")
+        def code(cells):
+            return [_code(c.source) for c in cells if c.cell_type == "code"]
+
+        if code(nbformat.read(target, as_version=4).cells) != code(nb.cells):
+            raise SystemExit(f"{source.name}: its code changed, so the outputs would be stale: "
+                             f"build it without --no-execute")
         took = "outputs kept (no code cell changed)"
     _strip_volatile(nb)
     nbformat.validate(nb)
     nbformat.write(nb, target)
-    print(f"{target.relative_to(REPO)}: {took}", flush=True)
+    print(f"notebooks/{target.name}: {took}", flush=True)
 
 
 def _code(source: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 
 import nbformat
 import pytest
@@ -87,3 +88,19 @@ def test_build_keeps_cell_ids_and_strips_timestamps(tmp_path):
     assert built.cells[0].source.startswith("A new first line.")
     assert "execution" not in built.cells[0].metadata
     assert notebooks.first_difference(built, notebooks.read_source(source)) is None
+
+
+def test_no_execute_refuses_a_code_change(tmp_path):
+    """--no-execute keeps outputs, so it builds only when no code changed (NBVAL comments aside)."""
+    (tmp_path / "notebooks").mkdir()
+    path = NOTEBOOKS[0]
+    shutil.copy(path, tmp_path / "notebooks" / path.name)
+    source = tmp_path / "notebooks" / path.with_suffix(".py").name
+    text = path.with_suffix(".py").read_text()
+    source.write_text(text.replace("\n# %%\n", "\n# %%\n# NBVAL_CHECK_OUTPUT\n", 1))
+    notebooks.build(source, run=False)
+    nb = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
+    assert "# NBVAL_CHECK_OUTPUT" in next(c.source for c in nb.cells if c.cell_type == "code")
+    source.write_text(text.replace("\n# %%\n", "\n# %%\nx = 1\n", 1))
+    with pytest.raises(SystemExit, match="its code changed"):
+        notebooks.build(source, run=False)
