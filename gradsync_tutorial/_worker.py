@@ -10,41 +10,62 @@ Started by the launcher as ``python -m gradsync_tutorial._worker``, never by han
 
 The socket is also the lifeline: if the launcher goes away (kernel restarted, killed, crashed),
 the read returns EOF and this process exits at once, so no worker ever outlives its notebook.
+On Linux a parent-death signal backs it up (a rank stuck in C code that holds the GIL cannot
+read its socket), and every process the rank forks from Python gets one too.
+
+A warm worker runs many jobs, so before each one it puts back what a fresh interpreter has
+(:func:`_reset_globals`; the list is in the launcher's docstring).
 """
 
 from __future__ import annotations
 
+import io
 import linecache
 import os
 import pickle
 import queue
+import random
 import re
+import signal
 import socket
 import sys
 import threading
 import traceback
+import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from gradsync_tutorial._messages import Finished, Job, Raised, Ready, Teardown
 
-# Written on stdout and stderr after each job so the launcher knows it has every line.
+# Written on stdout and stderr after each job so the launcher knows it has every line. The
+# launcher gives each worker the mark with a secret appended (GRADSYNC_END_MARK), so that no
+# line fn prints can pass for it.
 END_MARK = "\x1egradsync-end-of-job"
+_mark = END_MARK
 
 
-def _to_cpu(obj):
-    """Move every tensor in ``obj`` (nested lists, tuples, dicts) to the CPU, detached."""
+def _dumps_result(obj) -> bytes:
+    """Pickle ``obj`` for the notebook, every tensor in it moved to the CPU and detached.
+
+    Tensors are swapped while pickling, wherever they are (in a dict, a ``Counter``, a
+    ``defaultdict``, a dataclass, an object of the user's own class): no container is rebuilt,
+    so each comes back as it was, with its type, its default factory, its counts.
+    """
+    import cloudpickle
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_to_cpu(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    class _CPUPickler(cloudpickle.Pickler):
+        def reducer_override(self, o):
+            if isinstance(o, torch.Tensor):
+                cpu = o.detach().cpu()
+                if isinstance(o, torch.nn.Parameter):  # stays a Parameter, as it was
+                    cpu = torch.nn.Parameter(cpu, requires_grad=o.requires_grad)
+                return cpu.__reduce_ex__(self.proto)
+            return super().reducer_override(o)
+
+    buffer = io.BytesIO()
+    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _end_of_job(job_id: int) -> None:
@@ -57,7 +78,8 @@ def _end_of_job(job_id: int) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 - a stream fn closed or broke
             pass
-        original.write(f"{END_MARK} {job_id}\n")
+        # Its own line even after text printed without a newline (the launcher splits it off).
+        original.write(f"{_mark} {job_id}\n")
         original.flush()
 
 
@@ -68,12 +90,13 @@ def _run_job(job: Job) -> Finished | Raised:
     import torch.distributed as dist
 
     try:
+        _reset_globals()
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo a previous job's swap
         os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
         os.environ.update(job.env, PYTHONUNBUFFERED="1")
         if job.cwd and os.path.isdir(job.cwd):
             os.chdir(job.cwd)
-        sys.path[:] = job.sys_path + [p for p in sys.path if p not in job.sys_path]
+        sys.path[:] = job.sys_path + [p for p in _fresh["sys.path"] if p not in job.sys_path]
         for filename, lines in job.sources.items():  # notebook cells: tracebacks show the line
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         torch.set_num_threads(job.num_threads)
@@ -97,13 +120,92 @@ def _run_job(job: Job) -> Finished | Raised:
     except BaseException as exc:  # noqa: BLE001 - the launcher re-raises it in the notebook
         return _raised(job.job_id, exc)
     try:
-        return Finished(job.job_id, cloudpickle.dumps(_to_cpu(result)))
+        return Finished(job.job_id, _dumps_result(result))
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
                       f"serialized back to the notebook: {exc}. Return tensors, numbers, "
                       "lists or dicts of them (for a model, return model.state_dict())."),
         )
+
+
+# -- what a fresh interpreter has, put back before every job ----------------------------------
+
+# Modules whose functions notebooks (and tests) monkeypatch; a rebound function is put back.
+_PATCHABLE = ("builtins", "torch", "torch.distributed", "torch.nn.functional")
+_fresh: dict = {}
+
+
+def _remember_fresh_state() -> None:
+    """Called once, before the first job: the state :func:`_reset_globals` puts back."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.nn.functional  # noqa: F401
+
+    _fresh["sys.path"] = list(sys.path)
+    _fresh["warnings"] = list(warnings.filters)
+    _fresh["recursionlimit"] = sys.getrecursionlimit()
+    _fresh["signals"] = {s: signal.getsignal(s) for s in signal.valid_signals()
+                         if signal.getsignal(s) is not None}
+    _fresh["functions"] = {
+        name: {k: v for k, v in vars(sys.modules[name]).items() if callable(v)}
+        for name in _PATCHABLE
+    }
+
+
+def _reset_globals() -> None:
+    """Undo what a previous job may have changed in this process's global state."""
+    import torch
+
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    if hasattr(torch, "set_default_device"):
+        torch.set_default_device(None)
+    if torch.are_deterministic_algorithms_enabled():  # the call itself costs seconds at first
+        torch.use_deterministic_algorithms(False)
+    torch.autograd.set_detect_anomaly(False)
+    torch.set_printoptions(profile="default")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = False
+    # Fresh random state, as a new interpreter gets (fn seeds it itself for reproducibility).
+    torch.seed()
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    warnings.filters[:] = _fresh["warnings"]
+    if hasattr(warnings, "_filters_mutated"):
+        warnings._filters_mutated()  # forget which warnings were already shown once
+    sys.setrecursionlimit(_fresh["recursionlimit"])
+    for sig, handler in _fresh["signals"].items():
+        if signal.getsignal(sig) is not handler:
+            try:
+                signal.signal(sig, handler)
+            except (OSError, ValueError, TypeError):
+                pass
+    for name, functions in _fresh["functions"].items():
+        namespace = vars(sys.modules[name])
+        for attr, original in functions.items():
+            if namespace.get(attr) is not original:
+                namespace[attr] = original
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when the process that started this one dies (prctl PR_SET_PDEATHSIG).
+
+    The worker calls it for itself at start-up, and registers it for every process it forks
+    from Python (``multiprocessing`` with fork, ``os.fork``), so those never outlive the rank.
+    Other platforms have no such signal: there the socket to the launcher is the lifeline.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - <linux/prctl.h>
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no libc to load (a static or unusual build)
+        pass
 
 
 # What gloo and nccl say when the other end of a connection went away.
@@ -173,9 +275,15 @@ def _connect() -> Connection:
 
 
 def main() -> None:
+    global _mark
+    _die_with_parent()
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_die_with_parent)
+    _mark = os.environ.pop("GRADSYNC_END_MARK", END_MARK)
     import torch  # noqa: F401 - preload: by the time the first job arrives this is done
     import torch.distributed  # noqa: F401
 
+    _remember_fresh_state()
     conn = _connect()
     inbox: queue.Queue = queue.Queue()
 

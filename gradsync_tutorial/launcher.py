@@ -37,7 +37,36 @@ stay alive, idle, for the next launch in the same kernel (``reuse_workers=True``
 launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. Idle
 workers exit with the kernel (they watch their socket to it) or on :func:`shutdown_workers`.
 After any failure -- an exception, a dead rank, a timeout, an interrupt -- every worker is
-stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised.
+stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised, together with
+every process it started, even one in a session of its own; an interrupt while the workers
+start, or while a failure is reported, stops them too. The rendezvous store listens on
+127.0.0.1 only, and a ``master_port`` is usable again as soon as the launch that used it ended.
+
+What a reused worker puts back before each job
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A job on a warm worker starts as it would in a fresh interpreter, as far as global state that
+training code commonly changes goes: the environment (the notebook's, plus torchrun's
+variables), the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``; torch's grad
+mode (on), default dtype (float32) and default device, deterministic algorithms and anomaly
+detection (off), cudnn flags, print options and thread count; fresh random seeds for torch,
+``random`` and numpy (as a new process gets: seed inside ``fn`` for reproducible runs); the
+warnings filters (and which warnings were already shown); signal handlers; the recursion limit;
+and any function of ``builtins``, ``torch``, ``torch.distributed`` or ``torch.nn.functional``
+that a job replaced (monkeypatched). Not reset: modules already imported (call
+:func:`shutdown_workers` after editing one), other modules' globals, threads a job left
+running, CUDA state. ``reuse_workers=False`` gives every launch fresh interpreters.
+
+Platforms
+~~~~~~~~~
+Written for Linux, macOS and Windows, run here on Linux only (see the README). Each rank starts
+in a process group of its own (a new session on POSIX, ``CREATE_NEW_PROCESS_GROUP`` on
+Windows). Stopping reads the rank's process tree first (``/proc`` on Linux, ``ps`` on macOS)
+and signals all of it; Windows has no such signals, and ``taskkill /T /F`` stops the tree. On
+Linux a rank also dies with the notebook's process even when stuck in C code
+(``PR_SET_PDEATHSIG``), and so does every process it forks from Python; elsewhere the socket
+to the notebook is the lifeline, which a rank stuck in C code holding the GIL cannot read.
+A process that a rank started and that detached itself completely (a daemon that
+double-forked) is out of reach everywhere.
 """
 
 from __future__ import annotations
@@ -47,6 +76,7 @@ import functools
 import inspect
 import io
 import linecache
+import math
 import os
 import socket
 import sys
@@ -83,6 +113,11 @@ BACKENDS = ("auto", "gloo", "nccl")
 # Start-up is not part of a launch's timeout: a fresh worker imports torch (2 s here, far more on
 # a laptop with an antivirus). It gets max(timeout, STARTUP_SECONDS) of its own.
 STARTUP_SECONDS = 60.0
+MAX_TIMEOUT = 1e9  # seconds (31 years): past it, datetime.timedelta overflows
+# After fn returned everywhere: the ranks' process-group teardown gets this long of its own.
+TEARDOWN_SECONDS = 30.0
+# The ranks' output is printed until their end-of-job marks, as long as it keeps coming.
+OUTPUT_IDLE_SECONDS = 5.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,10 +132,60 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+# What one rank costs, to refuse a world_size the machine cannot start (see _max_world_size).
+RANK_MEMORY_BYTES = 300 * 2**20  # private memory of an idle rank (Python + torch), measured
+RANK_FILE_DESCRIPTORS = 8  # held open in the notebook per rank: pipes, sockets, store links
+
+
+def _max_world_size() -> tuple[int, str]:
+    """The most ranks this machine can start at once, and what limits it.
+
+    Each rank is a whole Python process with torch imported (about 0.3 GB of its own memory)
+    and holds about 8 file descriptors open in the notebook's process. More ranks than cores
+    is fine (they share the cores); more ranks than memory or descriptors is not: the machine
+    swaps, or the start fails half-way with "Too many open files".
+    """
+    limits = []
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        memory = None
+    if memory:
+        limits.append((max(1, memory // RANK_MEMORY_BYTES),
+                       f"each rank is a Python process with torch (~0.3 GB of memory) and this "
+                       f"machine has {memory / 2**30:.0f} GB"))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # Windows
+        soft = resource = None
+    if soft is not None and soft != getattr(resource, "RLIM_INFINITY", -1):
+        spare = soft - _open_descriptors() - 32  # a margin for the notebook itself
+        limits.append((max(1, spare // RANK_FILE_DESCRIPTORS),
+                       f"each rank holds ~{RANK_FILE_DESCRIPTORS} file descriptors open in this "
+                       f"process and its limit is {soft} (raise it with `ulimit -n` before "
+                       "starting Jupyter)"))
+    return min(limits, default=(sys.maxsize, ""))
+
+
+def _open_descriptors() -> int:
+    for folder in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 64
+
+
 def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (the number of ranks), "
                          f"got {world_size!r}. Try world_size=2.")
+    limit, why = _max_world_size()
+    if world_size > limit:
+        raise ValueError(f"world_size={world_size} is more ranks than this machine can start: "
+                         f"{why}. Use world_size={limit} or fewer.")
     if not callable(fn):
         raise TypeError(f"fn must be a function taking (rank, world_size, *args), "
                         f"got {type(fn).__name__} {fn!r}.")
@@ -124,24 +209,82 @@ def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks,
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} "
                          "('auto' picks nccl when there is a GPU per rank, else gloo).")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+            or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got "
+                         f"{timeout!r}. For a long run pass a generous bound, such as "
+                         f"timeout=24 * 3600 (at most {MAX_TIMEOUT:.0e}).")
     if num_threads is not None and (
         isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
     ):
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}.")
     if show_ranks is not None:
-        bad = [r for r in show_ranks if r not in range(world_size)]
+        bad = [r for r in show_ranks
+               if isinstance(r, bool) or not isinstance(r, int) or r not in range(world_size)]
         if bad:
             raise ValueError(f"show_ranks={list(show_ranks)} names ranks {bad} outside "
-                             f"0..{world_size - 1}.")
-    if master_port is not None:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", master_port))
-            except OSError as e:
-                raise OSError(f"master_port={master_port} is not free ({e.strerror}). Leave "
-                              "master_port=None and launch picks a free port.") from None
+                             f"0..{world_size - 1}: pass a list of ranks, such as "
+                             f"show_ranks=[0].")
+    if master_port is not None and (isinstance(master_port, bool)
+                                    or not isinstance(master_port, int)
+                                    or not 0 <= master_port <= 65535):
+        raise ValueError(f"master_port must be an int port number in 1..65535, or None (launch "
+                         f"picks a free port), got {master_port!r}.")
+
+
+def _ranks_to_show(show_ranks) -> tuple | None:
+    """``show_ranks`` read once: a generator or a range work, a single rank gets a hint."""
+    if show_ranks is None:
+        return None
+    if isinstance(show_ranks, (str, bytes)) or not isinstance(show_ranks, Iterable):
+        raise TypeError(f"show_ranks must be a list of ranks, got {type(show_ranks).__name__} "
+                        f"{show_ranks!r}. For one rank write show_ranks=[{show_ranks!r}].")
+    return tuple(show_ranks)
+
+
+def _rendezvous_store(port: int | None, timeout: float):
+    """The store every rank's ``env://`` rendezvous connects to, listening on 127.0.0.1 only.
+
+    torch's ``TCPStore`` listens on every interface; here the launcher binds the socket itself
+    to the loopback address and hands it over (``master_listen_fd``), so nothing outside this
+    machine can reach it. ``SO_REUSEADDR`` (what torch's own server sets) lets a port whose last
+    connections are still in TIME-WAIT -- the launch before this one -- be bound again at once.
+    Windows: its ``SO_REUSEADDR`` would let another program take a bound port, and torch's
+    ``master_listen_fd`` expects a POSIX descriptor, so there the store binds its port itself.
+    """
+    import torch.distributed as dist
+
+    kwargs = dict(is_master=True, wait_for_workers=False, timeout=_timedelta(timeout))
+    if os.name != "posix":
+        return _store_or_port_error(lambda: dist.TCPStore("127.0.0.1", port or 0, **kwargs),
+                                    port)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise _port_error(port, e) from None
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on and closes it
+    return _store_or_port_error(
+        lambda: dist.TCPStore("127.0.0.1", bound, master_listen_fd=fd, **kwargs), port)
+
+
+def _store_or_port_error(make, port):
+    try:
+        return make()
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+        if port is None:
+            raise
+        raise _port_error(port, e) from None
+
+
+def _port_error(port, e: Exception) -> OSError:
+    why = getattr(e, "strerror", None) or str(e)
+    return OSError(f"master_port={port} is not free ({why}). Leave master_port=None and "
+                   "launch picks a free port.")
 
 
 def _resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
@@ -244,7 +387,7 @@ def _take_workers(world_size: int, reuse: bool) -> _Workers:
     if pool is not None:
         if reuse and pool.key == _pool_key(world_size) and pool.alive():
             return pool
-        pool.stop()
+        pool.stop_despite_interrupts()
     return _Workers(world_size, _pool_key(world_size))
 
 
@@ -255,7 +398,7 @@ def _give_back(workers: _Workers, reuse: bool) -> None:
             if _idle is None:
                 _idle = workers
                 return
-    workers.stop()
+    workers.stop_despite_interrupts()
 
 
 def shutdown_workers() -> None:
@@ -271,7 +414,7 @@ def shutdown_workers() -> None:
     with _pool_lock:
         pool, _idle = _idle, None
     if pool is not None:
-        pool.stop()
+        pool.stop_despite_interrupts()
 
 
 atexit.register(shutdown_workers)
@@ -304,7 +447,8 @@ def launch(
     Args:
         fn: the function each rank runs. It may be defined in a notebook cell, be a lambda or
             a closure: it is sent to the workers by value (cloudpickle).
-        world_size: how many ranks (processes) to start.
+        world_size: how many ranks (processes) to start; at most what the machine's memory
+            (~0.3 GB a rank) and file-descriptor limit allow, else a ValueError says how many.
         args: extra positional arguments, copied to every rank.
         backend: ``"auto"`` (nccl with one GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
             With a GPU per rank, each rank's current device is ``cuda:LOCAL_RANK``.
@@ -312,11 +456,14 @@ def launch(
             every rank is stopped and :class:`LaunchTimeoutError` names the ranks that had not
             finished. Start-up (fresh workers import torch) has a limit of its own,
             ``max(timeout, STARTUP_SECONDS)``, so a short timeout also works on cold workers.
+            It judges the ranks' results, not their output: a rank that returned in time is
+            not late because the notebook is still printing what it wrote.
         num_threads: ``torch.set_num_threads`` in each rank; default: CPU cores // world_size,
             at least 1, so that the ranks do not oversubscribe a laptop.
-        show_ranks: print only these ranks' output (default: all ranks).
+        show_ranks: print only these ranks' output, a list such as ``[0]`` (default: all).
         reuse_workers: keep the processes for the next launch in this kernel (fast restarts).
-        master_port: the rendezvous port; default ``None``: a free port picked by the OS.
+        master_port: the rendezvous port (on 127.0.0.1); default ``None``: a free port
+            picked by the OS.
 
     Returns:
         The ranks' return values, ordered by rank. Tensors in them arrive on the CPU.
@@ -334,17 +481,19 @@ def launch(
     # IPython and pytest hide frames that set this: an error cell then shows the rank's
     # traceback (in the message) under the reader's own line, without the launcher's insides.
     __tracebackhide__ = True
+    show_ranks = _ranks_to_show(show_ranks)  # read once: it may be a generator
     _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
     backend, device = _resolve_backend(backend, world_size)
     payload, sources = _serialize(fn, args)
     num_threads = num_threads or max(1, _cpu_count() // world_size)
 
-    import torch.distributed as dist
-
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
-    store = dist.TCPStore("127.0.0.1", master_port or 0, is_master=True,
-                          wait_for_workers=False, timeout=_timedelta(timeout))
-    workers = _take_workers(world_size, reuse_workers)
+    store = _rendezvous_store(master_port, timeout)
+    try:
+        workers = _take_workers(world_size, reuse_workers)
+    except BaseException:  # they could not all start (and were stopped): release the port
+        del store
+        raise
     workers.show = set(range(world_size) if show_ranks is None else show_ranks)
     workers.job_id += 1
     state = _JobState(workers.job_id)
@@ -363,17 +512,19 @@ def launch(
         state.sent = True
         workers.pump(state, deadline, lambda: len(state.results) == world_size)
         if not state.failures:
-            workers.drain(state, lambda: state.output_complete(range(world_size)), 5.0)
+            # Every rank returned in time; printing what they wrote takes what it takes.
+            workers.drain_output(state, range(world_size), OUTPUT_IDLE_SECONDS)
             for rank in range(world_size):
                 workers.send(rank, Teardown(state.job_id))
-            workers.pump(state, deadline, lambda: len(state.ready) == world_size)
+            workers.pump(state, time.monotonic() + max(timeout, TEARDOWN_SECONDS),
+                         lambda: len(state.ready) == world_size)
     except _Deadline:
         workers.stop()
         workers.drain(state, lambda: True, 0)
         raise _shown_from_caller(_timeout_error(state, world_size, timeout, startup,
                                                 started=all(workers.conns))) from None
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
-        _stop_despite_interrupts(workers)
+        workers.stop_despite_interrupts()
         raise
     finally:
         del store  # closes the port
@@ -394,14 +545,16 @@ def _stop_after_failure(workers: _Workers, state: _JobState) -> RankFailedError:
     world_size = workers.world_size
     # Give the other ranks a moment to report errors of their own (an error raised on every
     # rank), then stop them all, and show what the failed ranks printed.
-    workers.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
-    if all(f.lost_peer for f in state.failures.values()):
-        # A rank lost its peer under a collective: the peer that went away is the story, and
-        # its exit can be noticed a moment after the survivor's report. Wait for it.
-        workers.drain(state, lambda: not all(f.lost_peer for f in state.failures.values())
-                      or len(state.failures) == world_size, 2.0, note_exits=True)
-    workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
-    workers.stop()
+    try:
+        workers.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
+        if all(f.lost_peer for f in state.failures.values()):
+            # A rank lost its peer under a collective: the peer that went away is the story,
+            # and its exit can be noticed a moment after the survivor's report. Wait for it.
+            workers.drain(state, lambda: not all(f.lost_peer for f in state.failures.values())
+                          or len(state.failures) == world_size, 2.0, note_exits=True)
+        workers.drain(state, lambda: state.output_complete(state.failures), 0.5)
+    finally:  # the stop button pressed while the failure is being reported included
+        workers.stop_despite_interrupts()
     workers.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
     for rank, failure in state.failures.items():
         failure.stderr_tail = tuple(state.stderr_tail[rank])
@@ -450,16 +603,6 @@ def _render_from_caller(error: BaseException) -> list[str]:
         shown = types.TracebackType(shown, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
     return get_ipython().InteractiveTB.structured_traceback(type(error), error, shown,
                                                             tb_offset=0)
-
-
-def _stop_despite_interrupts(workers: _Workers) -> None:
-    """Stop the workers even if the user presses the stop button again meanwhile."""
-    while True:
-        try:
-            workers.stop()
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
