@@ -211,7 +211,7 @@ def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks,
                          "('auto' picks nccl when there is a GPU per rank, else gloo).")
     if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
             or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got "
+        raise ValueError(f"timeout must be a positive number of seconds (finite), got "
                          f"{timeout!r}. For a long run pass a generous bound, such as "
                          f"timeout=24 * 3600 (at most {MAX_TIMEOUT:.0e}).")
     if num_threads is not None and (

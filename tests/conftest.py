@@ -11,7 +11,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def worker_pids() -> list[int]:
-    """PIDs of live ``gradsync_tutorial._worker`` processes started by this process (Linux)."""
+    """PIDs of live ``gradsync_tutorial._worker`` processes started by this process.
+
+    Read from /proc on Linux; elsewhere (macOS, Windows: the public CI) through psutil.
+    """
+    if not Path("/proc/self/stat").exists():
+        import psutil
+
+        return [p.pid for p in psutil.Process().children()
+                if p.status() != psutil.STATUS_ZOMBIE
+                and "gradsync_tutorial._worker" in " ".join(p.cmdline())]
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -29,6 +38,13 @@ def worker_pids() -> list[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    if not Path("/proc/self/stat").exists():  # macOS, Windows
+        import psutil
+
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:

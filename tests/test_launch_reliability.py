@@ -204,6 +204,7 @@ def test_world_size_beyond_the_file_descriptor_limit_is_refused_before_starting(
     assert "file descriptors" in out and "ulimit -n" in out
 
 
+@pytest.mark.skipif(not hasattr(os, "sysconf"), reason="no sysconf on Windows")
 def test_world_size_beyond_the_memory_is_refused_with_the_largest_that_fits(monkeypatch):
     if launcher._max_world_size()[0] < 2:
         pytest.skip("this machine cannot start 2 ranks")
@@ -330,9 +331,9 @@ def test_master_port_of_a_failed_launch_can_be_used_again_at_once():
         ({"show_ranks": 1}, TypeError, r"show_ranks must be a list of ranks.*show_ranks=\[1\]"),
         ({"show_ranks": "0"}, TypeError, "show_ranks must be a list of ranks"),
         ({"show_ranks": ["0"]}, ValueError, r"names ranks \['0'\]"),
-        ({"timeout": math.nan}, ValueError, "timeout must be a positive, finite number"),
+        ({"timeout": math.nan}, ValueError, r"positive number of seconds \(finite\)"),
         ({"timeout": math.inf}, ValueError, "timeout=24 \\* 3600"),
-        ({"timeout": -5}, ValueError, "timeout must be a positive, finite number"),
+        ({"timeout": -5}, ValueError, r"positive number of seconds \(finite\)"),
         ({"master_port": 70000}, ValueError, "master_port must be an int port number in 1..65535"),
         ({"master_port": -1}, ValueError, "master_port must be an int"),
         ({"master_port": "29500"}, ValueError, "master_port must be an int"),
