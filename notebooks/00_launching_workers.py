@@ -211,7 +211,7 @@ except gst.LaunchTimeoutError as err:
 # and dtype as `tensor`.
 #
 # Replace the `raise` line with your code and run the cell, then run the check below it: it runs
-# your function on 2 ranks and prints "✓ correct", or fails with what is wrong. Until you write
+# your function on 3 ranks and prints "✓ correct", or fails with what is wrong. Until you write
 # it, it only says "not attempted yet", as in the notebook you downloaded. Stuck?
 # `%load solutions/00_gather_ranks.py` in a new cell loads a solution.
 

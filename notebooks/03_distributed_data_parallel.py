@@ -220,9 +220,10 @@ assert ddp_gap == 0.0 and manual_gap > 1e-2
 # and every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter
 # itself (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each of 2 ranks from a different seed, calls your function and compares
-# the ranks. It prints "✓ correct", or fails with what is wrong; until you write the function,
-# it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a new cell.
+# The check below starts each of 3 ranks from different random weights, calls your function and
+# compares the ranks. It prints "✓ correct", or fails with what is wrong; until you write the
+# function, it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a
+# new cell.
 #
 # Then use it: call `broadcast_parameters(model)` in `train` right after the model is built, and
 # train with `use_ddp=False, seed_per_rank=True`: `gst.checks.compare_ranks` now finds identical

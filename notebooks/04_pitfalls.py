@@ -976,8 +976,8 @@ fig = gst.plots.plot_loss_curves(
 # alone (in training, `backward()` still needs it), and remember that every rank must call the
 # collective (pitfall 7).
 #
-# The check below runs it on 2 ranks holding 8 and 3 samples and compares what each rank returns
-# with the mean over all 11. It prints "✓ correct", or fails with what is wrong (the mean of the
+# The check below runs it on 3 ranks holding 8, 3 and 9 samples (fresh random losses each time)
+# and compares what each rank returns with the mean over all 20. It prints "✓ correct", or fails with what is wrong (the mean of the
 # means, a sum not divided, a rank that skipped the all_reduce...); until you write the function,
 # it says "not attempted yet". Stuck? `%load solutions/04_global_mean_loss.py` in a new cell.
 

@@ -2,12 +2,15 @@
 
 The wrong answers are what learners write: no division, the loop of notebook 02 instead of one
 call, a reduced copy never copied back, ``[t] * world_size``, a broadcast into a clone... Each
-must be caught with the message that names the mistake. The checks of notebooks 00, 02 and 03
-launch 2 real ranks (gloo); they reuse the same idle workers from one launch to the next.
+must be caught with the message that names the mistake. So must answers that guess instead of
+computing: a hard-coded world size (2) or number of micro-batches (4), a value computed locally
+that only communication can deliver. The checks launch 3 real ranks (gloo), a number a solution
+cannot take for granted; they reuse the same idle workers from one launch to the next.
 """
 
 from __future__ import annotations
 
+import functools
 import runpy
 
 import pytest
@@ -93,8 +96,8 @@ def test_gather_ranks_wrong_answers(capsys):
         dist.all_gather(everyone, torch.tensor([float(rank)]))
         return [int(t.item()) for t in everyone]
 
-    with pytest.raises(ExerciseFailed, match=r"holds the same tensor 2 times \(rank 0 returned "
-                                             r"\[1, 1\]\): `\[t\] \* 2` repeats one tensor"):
+    with pytest.raises(ExerciseFailed, match=r"holds the same tensor 3 times \(rank 0 returned "
+                                             r"\[2, 2, 2\]\): `\[t\] \* 3` repeats one tensor"):
         exercises.check_gather_ranks(one_tensor_repeated)
 
     def returns_tensors(rank, world_size):
@@ -110,6 +113,24 @@ def test_gather_ranks_wrong_answers(capsys):
 
     assert exercises.check_gather_ranks(floats_are_fine) is None
     assert "✓ correct" in capsys.readouterr().out
+
+
+def test_gather_ranks_guesses_are_caught():
+    def barrier_then_guess(rank, world_size):  # a collective, but no data exchanged
+        dist.barrier()
+        return list(range(world_size))
+
+    with pytest.raises(ExerciseFailed, match=r"made no collective call that moves data "
+                                             r"\(collectives called: barrier once\)"):
+        exercises.check_gather_ranks(barrier_then_guess)
+
+    def two_ranks(rank, world_size):  # "there are 2 ranks": the course's examples use 2
+        everyone = [torch.zeros(1) for _ in range(2)]
+        dist.all_gather(everyone, torch.tensor([float(rank)]))
+        return [int(t.item()) for t in everyone]
+
+    with pytest.raises(ExerciseFailed, match=r"two_ranks raised an error on rank"):
+        exercises.check_gather_ranks(two_ranks)
 
 
 def test_gather_ranks_an_error_and_a_hang_are_reported():
@@ -140,18 +161,20 @@ def test_gather_ranks_an_error_and_a_hang_are_reported():
 # --------------------------------------------------------------------------------------------
 
 
-def _accumulate(divide=True, zero_inside=False, whole_batch=False, returns="float"):
-    """A learner's accumulate_gradients, with one of the typical mistakes switched on."""
+def _accumulate(divide=True, zero_inside=False, whole_batch=False, returns="float",
+                pieces=None, divisor=None):
+    """A learner's accumulate_gradients, with one of the typical mistakes switched on (pieces,
+    divisor: a hard-coded number of micro-batches to split into, to divide by)."""
 
     def accumulate_gradients(model, images, labels, micro_batches):
-        k = 1 if whole_batch else micro_batches
+        k = 1 if whole_batch else pieces or micro_batches
         total, last = 0.0, None
         for x, y in zip(images.chunk(k), labels.chunk(k), strict=True):
             if zero_inside:
                 model.zero_grad()
             loss = F.nll_loss(model(x), y)
             if divide:
-                loss = loss / micro_batches
+                loss = loss / (divisor or micro_batches)
             loss.backward()
             total, last = total + loss.item(), loss
         return {"float": total, "tensor": last, "last": last.item() * micro_batches}[returns]
@@ -160,13 +183,18 @@ def _accumulate(divide=True, zero_inside=False, whole_batch=False, returns="floa
 
 
 @pytest.mark.parametrize("mistake, message", [
-    (dict(divide=False), r"your gradients are 4\.0× the expected ones: did you divide each "
+    (dict(divide=False), r"your gradients are 3\.0× the expected ones: did you divide each "
                          r"micro-batch's loss by micro_batches\?"),
-    (dict(zero_inside=True), r"your gradient is the last micro-batch's only \(times 0\.25\).*"
+    (dict(zero_inside=True), r"your gradient is the last micro-batch's only \(times 0\.333\).*"
                              r"zero_grad\(\).*inside the loop"),
     (dict(zero_inside=True, divide=False), r"the last micro-batch's only \(times 1\)"),
-    (dict(whole_batch=True), r"your model saw 32 samples in one forward pass: split the batch "
-                             r"of 32 into 4 micro-batches of 8"),
+    (dict(whole_batch=True), r"your model saw 24 samples in one forward pass: split the batch "
+                             r"of 24 into 3 micro-batches of 8"),
+    # Hard-coded 4, the notebook's number: the check asks for 3.
+    (dict(pieces=4, divisor=4), r"your model ran 4 forward passes \(of 6, 6, 6, 6 samples\); "
+                                r"with micro_batches=3, run one per micro-batch: 3 of 8"),
+    (dict(divisor=4), r"your gradients are 0\.75× the expected ones.*Did you divide by 4 "
+                      r"instead of micro_batches \(3 here\)\?"),
     (dict(returns="tensor"), r"returned a tensor.*return a float \(`loss\.item\(\)`\)"),
     (dict(returns="last"), r"returned the loss .*; the whole batch's mean loss is .*It is the "
                            r"last micro-batch's"),
@@ -190,6 +218,27 @@ def test_accumulate_gradients_check_leaves_the_random_state_alone(capsys):
 # --------------------------------------------------------------------------------------------
 
 
+def _flat(model, divide=True, copy_back=True, divide_on=(0, 1, 2), world_size=None,
+          put_back="view_as"):
+    """A learner's average_gradients_flat, with one of the typical mistakes switched on."""
+    grads = [p.grad for p in model.parameters()]
+    buffer = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(buffer)
+    if divide and dist.get_rank() in divide_on:
+        buffer /= world_size or dist.get_world_size()
+    if copy_back:
+        pieces = buffer.split([g.numel() for g in grads])
+        for p, g, piece in zip(model.parameters(), grads, pieces, strict=True):
+            if put_back == "view_as":
+                g.copy_(piece.view_as(g))
+            elif put_back == "copy_":
+                g.copy_(piece)  # (150,) into (6, 1, 5, 5)
+            elif put_back == "assign":
+                p.grad = piece
+            else:  # .data =: no error, a gradient of the wrong shape
+                p.grad.data = piece
+
+
 def test_average_gradients_flat_wrong_answers():
     def per_parameter(model):  # notebook 02's loop: right values, 8 calls
         for p in model.parameters():
@@ -203,31 +252,43 @@ def test_average_gradients_flat_wrong_answers():
     def per_parameter_imported(model):  # `from torch.distributed import all_reduce` is counted
         for p in model.parameters():
             imported_all_reduce(p.grad)
-            p.grad /= 2
+            p.grad /= dist.get_world_size()
 
     with pytest.raises(ExerciseFailed, match="called all_reduce 8 times"):
         exercises.check_average_gradients_flat(per_parameter_imported)
 
-    def flat(model, divide=True, copy_back=True, divide_on=(0, 1)):
-        grads = [p.grad for p in model.parameters()]
-        buffer = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(buffer)
-        if divide and dist.get_rank() in divide_on:
-            buffer /= dist.get_world_size()
-        if copy_back:
-            for g, piece in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
-                g.copy_(piece.view_as(g))
-
-    with pytest.raises(ExerciseFailed, match=r"your gradients are 2\.0× the expected ones: did "
+    with pytest.raises(ExerciseFailed, match=r"your gradients are 3\.0× the expected ones: did "
                                              r"you divide by the world size\?"):
-        exercises.check_average_gradients_flat(lambda model: flat(model, divide=False))
+        exercises.check_average_gradients_flat(lambda model: _flat(model, divide=False))
     with pytest.raises(ExerciseFailed, match=r"the gradients did not change: every rank still "
                                              r"holds its own\. You reduced a copy"):
-        exercises.check_average_gradients_flat(lambda model: flat(model, copy_back=False))
+        exercises.check_average_gradients_flat(lambda model: _flat(model, copy_back=False))
     with pytest.raises(ExerciseFailed, match=r"rank 1's gradients differ from rank 0's in "
                                              r"`conv1\.weight` \(max abs difference .*; 8 of 8 "
                                              r"tensors differ\)"):
-        exercises.check_average_gradients_flat(lambda model: flat(model, divide_on=(0,)))
+        exercises.check_average_gradients_flat(lambda model: _flat(model, divide_on=(0,)))
+
+
+def test_average_gradients_flat_hard_coded_world_size():
+    with pytest.raises(ExerciseFailed, match=r"your gradients are 1\.5× the expected ones .*Did "
+                                             r"you divide by 2 instead of world_size"):
+        exercises.check_average_gradients_flat(lambda model: _flat(model, world_size=2))
+
+
+def test_average_gradients_flat_a_piece_without_its_shape_gets_a_message():
+    for put_back, error in (("copy_", "The size of tensor a"),
+                            ("assign", "attempting to assign a gradient of size")):
+        with pytest.raises(ExerciseFailed) as info:
+            exercises.check_average_gradients_flat(functools.partial(_flat, put_back=put_back))
+        message = str(info.value)
+        assert message.startswith("on rank 0, putting a piece of the flat tensor back into a "
+                                  f"gradient failed ({error}")
+        assert "p.grad.copy_(piece.view_as(p.grad))" in message
+        assert "Traceback" not in message
+    with pytest.raises(ExerciseFailed, match=r"differ from the mean over ranks in `conv1\.weight` "
+                                             r"\(a different shape; 4 of 8 tensors differ\).*"
+                                             r"piece\.view_as\(p\.grad\)"):
+        exercises.check_average_gradients_flat(lambda model: _flat(model, put_back="data"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,6 +344,17 @@ def test_broadcast_parameters_wrong_answers():
         exercises.check_broadcast_parameters(frozen)
 
 
+def test_broadcast_parameters_recomputed_locally_is_caught():
+    def reseeded(model):  # rank 0's weights were Net() under the check's seed: no broadcast
+        torch.manual_seed(1234)
+        for module in (model.conv1, model.conv2, model.fc1, model.fc2):
+            module.reset_parameters()
+
+    with pytest.raises(ExerciseFailed, match=r"reseeded made no collective call, so the other "
+                                             r"ranks cannot have received rank 0's weights"):
+        exercises.check_broadcast_parameters(reseeded)
+
+
 def test_broadcast_parameters_replacing_the_parameters_passes_with_a_note(capsys):
     def replaces(model):
         for module in (model.conv1, model.conv2, model.fc1, model.fc2):
@@ -319,6 +391,8 @@ def _mean_loss(mistake=None):
             return (loss_sum / len(losses)).item()
         if mistake == "by world size":
             return (loss_sum / dist.get_world_size()).item()
+        if mistake == "11 samples":  # the total with 2 ranks: 8 + 3
+            return (loss_sum / 11).item()
         count = torch.tensor(float(len(losses)))
         dist.all_reduce(count)  # a second call: right, with a note
         return loss_sum / count if mistake == "tensor" else (loss_sum / count).item()
@@ -327,14 +401,16 @@ def _mean_loss(mistake=None):
 
 
 @pytest.mark.parametrize("mistake, message", [
-    ("mean of means", r"every rank returned .*; the mean over all 11 samples is .* Yours is the "
-                      r"mean of the ranks' means .*\(rank 0: 8, rank 1: 3\).*pitfall 5"),
+    ("mean of means", r"every rank returned .*; the mean over all 20 samples is .* Yours is the "
+                      r"mean of the ranks' means .*\(rank 0: 8, rank 1: 3, rank 2: 9\).*"
+                      r"pitfall 5"),
     ("no division", r"Yours is the sum of the ranks' means: all_reduce\(SUM\) adds them up"),
     ("local", r"every rank returned its own mean \(rank 0: .*, rank 1: .*; collectives called: "
               r"none\)"),
     ("own count", r"each divided the global sum of the losses by its own count"),
     ("by world size", r"Yours is the sum of all losses divided by the world size; divide by the "
-                      r"number of samples, 11 in all"),
+                      r"number of samples, 20 in all"),
+    ("11 samples", r"every rank returned .*; the mean over all 20 samples is"),
     ("tensor", r"rank 0 returned a tensor, tensor\(.*return a float \(`\.item\(\)`\)"),
 ])
 def test_global_mean_loss_wrong_answers(mistake, message):
@@ -363,7 +439,19 @@ def test_global_mean_loss_a_hang_and_two_calls(capsys):
     assert exercises.check_global_mean_loss(_mean_loss()) is None  # two calls: right, a note
     out = capsys.readouterr().out
     assert out.startswith("note: you called all_reduce 2 times; one call on torch.stack")
-    assert "✓ correct: with rank 0: 8, rank 1: 3 samples" in out
+    assert "✓ correct: with rank 0: 8, rank 1: 3, rank 2: 9 samples" in out
+
+
+def test_global_mean_loss_recomputed_locally_is_caught():
+    def recomputes(losses):  # every rank's losses from the check's own generator: no collective
+        from gradsync_tutorial.exercises.mean_loss import _uneven_losses
+
+        everyone = torch.cat([_uneven_losses(r).detach() for r in range(dist.get_world_size())])
+        return everyone.mean().item()
+
+    with pytest.raises(ExerciseFailed, match=r"recomputes made no collective call, so no rank "
+                                             r"knows the others' losses"):
+        exercises.check_global_mean_loss(recomputes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,14 +459,15 @@ def test_global_mean_loss_a_hang_and_two_calls(capsys):
 # --------------------------------------------------------------------------------------------
 
 
-def _save(leave_out=(), every_rank=False, barrier=True, prefixed=False, objects=False):
+def _save(leave_out=(), every_rank=False, barrier=True, prefixed=False, objects=False,
+          epoch=lambda epochs_done: epochs_done):
     """A learner's save_checkpoint, with one of the typical mistakes switched on."""
 
     def save_checkpoint(path, model, optimizer, epochs_done):
         checkpoint = {
             "model": (model if prefixed else model.module).state_dict(),
             "optimizer": optimizer if objects else optimizer.state_dict(),
-            "epoch": epochs_done,  # any key: the check finds the pieces by what they are
+            "epoch": epoch(epochs_done),  # any key: the check finds the pieces by what they are
             "rng_state": {"cpu": torch.get_rng_state()},
         }
         for key in leave_out:
@@ -398,10 +487,11 @@ def _save(leave_out=(), every_rank=False, barrier=True, prefixed=False, objects=
     (dict(leave_out=["rng_state"]), r"your checkpoint has no RNG state .* dropout draws random "
                                     r"numbers.*torch\.get_rng_state\(\)"),
     (dict(leave_out=["epoch"]), r"your checkpoint does not record epochs_done \(the check "
-                                r"passed 3\)"),
+                                r"passed 7; the epoch to start from, 8, would do too\)"),
+    (dict(epoch=lambda epochs_done: 3), r"your checkpoint does not record epochs_done"),
     (dict(leave_out=["model"]), r"your checkpoint has no model state dict"),
-    (dict(every_rank=True), r"ranks 0, 1 all wrote the file.*Save on rank 0 only"),
-    (dict(barrier=False), r"rank\(s\) 1 returned from save_checkpoint before the file existed"
+    (dict(every_rank=True), r"ranks 0, 1, 2 all wrote the file.*Save on rank 0 only"),
+    (dict(barrier=False), r"rank\(s\) 1, 2 returned from save_checkpoint before the file existed"
                           r".*dist\.barrier\(\)"),
     (dict(prefixed=True), r"your model state dict's names start with 'module\.'"),
     (dict(objects=True), r"torch\.load\(path, weights_only=True\) cannot read your file: .*"
@@ -410,6 +500,12 @@ def _save(leave_out=(), every_rank=False, barrier=True, prefixed=False, objects=
 def test_save_checkpoint_wrong_answers(mistake, message):
     with pytest.raises(ExerciseFailed, match=message):
         exercises.check_save_checkpoint(_save(**mistake))
+
+
+def test_save_checkpoint_the_next_epoch_is_accepted(capsys):
+    # "epoch": the epoch to start from (epochs_done + 1) resumes right, as epochs done does.
+    exercises.check_save_checkpoint(_save(epoch=lambda epochs_done: epochs_done + 1))
+    assert capsys.readouterr().out.startswith("✓ correct: your file holds")
 
 
 def test_save_checkpoint_nothing_written():
@@ -426,7 +522,7 @@ def test_save_checkpoint_nothing_written():
 # --------------------------------------------------------------------------------------------
 
 
-def _overlapped(divide=True, clear=True, use_async=True):
+def _overlapped(divide=True, clear=True, use_async=True, world_size=None):
     """A learner's average_overlapped, with one of the typical mistakes switched on."""
 
     def average_overlapped(model):
@@ -443,7 +539,7 @@ def _overlapped(divide=True, clear=True, use_async=True):
                 if use_async:
                     handle.wait()
                 if divide:
-                    param.grad /= dist.get_world_size()
+                    param.grad /= world_size or dist.get_world_size()
             if clear:
                 pending.clear()
 
@@ -467,7 +563,7 @@ def test_average_overlapped_wrong_answers():
     with pytest.raises(ExerciseFailed, match=r"8 of the 8 all_reduce calls made during backward "
                                              r"in step 1 had no async_op=True"):
         exercises.check_average_overlapped(_overlapped(use_async=False))
-    with pytest.raises(ExerciseFailed, match=r"in step 1, your gradients are 2\.0× the mean over "
+    with pytest.raises(ExerciseFailed, match=r"in step 1, your gradients are 3\.0× the mean over "
                                              r"ranks: divide by the world size"):
         exercises.check_average_overlapped(_overlapped(divide=False))
     with pytest.raises(ExerciseFailed, match=r"step 1 is right, but in step 2 your gradients .*: "
@@ -480,3 +576,9 @@ def test_average_overlapped_wrong_answers():
     with pytest.raises(ExerciseFailed, match=r"returns_none\(model\) returned NoneType None: "
                                              r"return the function"):
         exercises.check_average_overlapped(returns_none)
+
+
+def test_average_overlapped_hard_coded_world_size():
+    with pytest.raises(ExerciseFailed, match=r"in step 1, your gradients are 1\.5× the mean over "
+                                             r"ranks.*Did you divide by 2 instead of world_size"):
+        exercises.check_average_overlapped(_overlapped(world_size=2))  # / 2: right on 2 ranks

@@ -1,7 +1,7 @@
 """Exercises with self-checks: run your function against the reference, learn what is wrong.
 
 Each notebook ends with an exercise: you write one function in a cell, then pass it to its
-check. The check runs it the way the course runs code, on 2 ranks with ``gst.launch`` (gloo, on
+check. The check runs it the way the course runs code, on 3 ranks with ``gst.launch`` (gloo, on
 the CPU, whatever the machine), on a small model and small random data, next to the reference
 computation, so it takes a second or two:
 
@@ -22,93 +22,52 @@ shows the status line only):
   does): it prints ``... not attempted yet``, without failing. So a
   notebook runs top to bottom before you start the exercise (CI runs them that way).
 
+Why 3 ranks, and fresh random data each time: a check must not pass an answer that guesses
+instead of computing. With 2 ranks, a hard-coded ``/ 2`` looks like ``/ world_size``; with the
+same seeded data every time, a rank could compute locally what it should have received.
+
 To see how a check counts your collective calls ("you called all_reduce 8 times; one call is
-enough"): while your function runs, the ``torch.distributed`` collectives are replaced by
-counting wrappers, in ``torch.distributed`` and in your function's globals (so
-``from torch.distributed import all_reduce`` is counted too).
+enough"): while your function runs, a :class:`gradsync_tutorial.detect.CollectiveCounter`
+replaces the ``torch.distributed`` collectives by counting wrappers, in ``torch.distributed``
+and in your function's globals (so ``from torch.distributed import all_reduce`` is counted too).
 
-The exercises (see :data:`EXERCISES`), with reference solutions in ``notebooks/solutions/``:
-
-=====================================  ===============================================  ========
-check                                  your function                                    notebook
-=====================================  ===============================================  ========
-:func:`check_gather_ranks`             ``gather_ranks(rank, world_size) -> list``       00
-:func:`check_accumulate_gradients`     ``accumulate_gradients(model, images, labels,    01
-                                       micro_batches) -> float``
-:func:`check_average_gradients_flat`   ``average_gradients_flat(model)``                02
-:func:`check_broadcast_parameters`     ``broadcast_parameters(model)``                  03
-:func:`check_global_mean_loss`         ``global_mean_loss(losses) -> float``            04
-:func:`check_average_overlapped`       ``average_overlapped(model) -> finish``          05
-:func:`check_save_checkpoint`          ``save_checkpoint(path, model, optimizer,        06
-                                       epochs_done)``
-=====================================  ===============================================  ========
-
-Each check lives in a module of its own, named after the idea it checks (``gather_ranks``,
-``accumulate``, ``flat_average``, ``broadcast``, ``mean_loss``, ``overlap``, ``checkpoint``);
-the plumbing they share (launching, counting collectives, comparing tensors) is in ``_common``.
+The exercises, one module each, named after the idea it checks (``gather_ranks``,
+``accumulate``, ``flat_average``, ``broadcast``, ``mean_loss``, ``overlap``, ``checkpoint``),
+with reference solutions in ``notebooks/solutions/``: see :data:`EXERCISES` (listed below).
+Each module declares its exercise once, with :func:`~gradsync_tutorial.exercises.common.exercise`
+on its check; this package imports every module here, so adding an exercise is adding its
+module (the check), its solution and its test (and the exercise in its notebook). The plumbing
+they share (declaring, launching, comparing tensors) is :mod:`~gradsync_tutorial.exercises.common`.
 
 Introduced in ``notebooks/00_launching_workers.ipynb`` (its exercise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import importlib
+import pkgutil
 
-from ._common import CHECK_TIMEOUT as CHECK_TIMEOUT
-from ._common import ExerciseFailed
-from .accumulate import check_accumulate_gradients
-from .broadcast import check_broadcast_parameters
-from .checkpoint import check_save_checkpoint
-from .flat_average import check_average_gradients_flat
-from .gather_ranks import check_gather_ranks
-from .mean_loss import check_global_mean_loss
-from .overlap import check_average_overlapped
+from .common import CHECK_TIMEOUT as CHECK_TIMEOUT
+from .common import EXERCISES, Exercise, ExerciseFailed
 
-__all__ = [
-    "EXERCISES",
-    "Exercise",
-    "ExerciseFailed",
-    "check_accumulate_gradients",
-    "check_average_gradients_flat",
-    "check_average_overlapped",
-    "check_broadcast_parameters",
-    "check_gather_ranks",
-    "check_global_mean_loss",
-    "check_save_checkpoint",
-]
+# Every module of this package but common declares one exercise: importing it registers it in
+# EXERCISES. Then each check is an attribute of the package (gst.exercises.check_gather_ranks),
+# in the order of the notebooks.
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module != "common":
+        importlib.import_module(f".{_module}", __name__)
+_in_order = sorted(EXERCISES.items(), key=lambda item: item[1].notebook)
+EXERCISES.clear()
+EXERCISES.update(_in_order)
+for _exercise in EXERCISES.values():
+    globals()[_exercise.check.__name__] = _exercise.check
 
+__all__ = ["EXERCISES", "Exercise", "ExerciseFailed",
+           *(e.check.__name__ for e in EXERCISES.values())]
 
-@dataclass(frozen=True)
-class Exercise:
-    """One exercise: the function you write, its check, its notebook, its solution file."""
-
-    function: str  # the name of the function you write
-    check: Callable[..., bool]
-    notebook: str  # the notebook whose "## Exercise" section sets it
-    solution: str  # the reference solution, in notebooks/solutions/
-
-
-#: Every exercise, by the name of the function you write.
-EXERCISES: dict[str, Exercise] = {
-    e.function: e
-    for e in (
-        Exercise("gather_ranks", check_gather_ranks, "00_launching_workers.ipynb",
-                 "00_gather_ranks.py"),
-        Exercise("accumulate_gradients", check_accumulate_gradients,
-                 "01_single_device_baseline.ipynb", "01_accumulate_gradients.py"),
-        Exercise("average_gradients_flat", check_average_gradients_flat,
-                 "02_manual_allreduce_averaging.ipynb", "02_average_gradients_flat.py"),
-        Exercise("broadcast_parameters", check_broadcast_parameters,
-                 "03_distributed_data_parallel.ipynb", "03_broadcast_parameters.py"),
-        Exercise("global_mean_loss", check_global_mean_loss, "04_pitfalls.ipynb",
-                 "04_global_mean_loss.py"),
-        Exercise("average_overlapped", check_average_overlapped, "05_performance.ipynb",
-                 "05_average_overlapped.py"),
-        Exercise("save_checkpoint", check_save_checkpoint,
-                 "06_from_notebook_to_torchrun.ipynb", "06_save_checkpoint.py"),
-    )
-}
+__doc__ += "\nThe exercises:\n\n" + "\n".join(
+    f"* notebook {e.notebook[:2]}: :func:`{e.check.__name__}`, ``{e.usage}``"
+    for e in EXERCISES.values())
 
 # So that doctest.testmod(gradsync_tutorial.exercises) runs the checks' examples too: they live
 # in the exercises' modules.

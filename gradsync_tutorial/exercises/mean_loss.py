@@ -9,27 +9,27 @@ from typing import Any
 
 import torch
 
-from ._common import (
-    _STUB,
+from .common import (
     CHECK_TIMEOUT,
-    SEED,
+    STUB,
+    WORLD_SIZE,
     CollectiveCounter,
-    _calls_text,
-    _fail,
-    _is_number,
-    _launch,
-    _name,
-    _not_attempted,
-    _passed,
-    _require_function,
+    calls_text,
+    exercise,
+    fail,
+    fresh_seed,
+    is_number,
+    name_of,
+    run_on_ranks,
 )
 
 
 def _uneven_losses(rank: int) -> torch.Tensor:
     """Rank ``rank``'s per-sample losses: 8 samples on even ranks, 3 on odd ones (plus one per
-    pair of ranks), values around ``rank + 1``, so that every way of averaging them differs."""
+    pair of ranks), values around ``rank + 1``, so that every way of averaging them differs.
+    Fresh random values at every check: no rank can compute another's, it must receive them."""
     count = (8, 3)[rank % 2] + rank // 2
-    g = torch.Generator().manual_seed(SEED + 1 + rank)
+    g = torch.Generator().manual_seed(fresh_seed())
     weight = torch.ones((), requires_grad=True)  # losses come out of a graph, as in training
     return (rank + 1) * (0.5 + torch.rand(count, generator=g)) * weight
 
@@ -46,10 +46,10 @@ def _mean_loss_worker(rank: int, world_size: int, fn: Callable) -> Any:
         try:
             result = fn(losses)
         except NotImplementedError:
-            return _STUB
+            return STUB
     if isinstance(result, torch.Tensor):
         result = {"tensor": repr(result.detach().cpu())}
-    elif not (_is_number(result) or result is None):
+    elif not (is_number(result) or result is None):
         result = {"other": f"{type(result).__name__} {result!r:.60}"}
     elif result is not None:
         result = float(result)
@@ -62,14 +62,16 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
+@exercise("04_pitfalls.ipynb", "global_mean_loss(losses)")
 def check_global_mean_loss(
-    global_mean_loss: Callable, world_size: int = 2, *, timeout: float = CHECK_TIMEOUT
-) -> None:
+    global_mean_loss: Callable, world_size: int = WORLD_SIZE, *, timeout: float = CHECK_TIMEOUT
+) -> str:
     """Check ``global_mean_loss(losses) -> float``: the mean loss over *every* rank's samples,
     the same float on every rank, when the ranks hold different numbers of samples.
 
     ``losses`` is this rank's per-sample losses (``F.nll_loss(..., reduction="none")``): 8 on
-    rank 0, 3 on rank 1. Runs it on ``world_size`` ranks and compares with the mean of all the
+    rank 0, 3 on rank 1, 9 on rank 2, fresh random values at every check. Runs it on
+    ``world_size`` ranks (3 by default) and compares with the mean of all the
     samples. Says so if you returned the mean of the ranks' means (pitfall 5), a sum you did not
     divide, a rank's own value (no collective), the global sum over a rank's own count, if ranks
     returned different values, or if one rank skipped the all_reduce (it hangs).
@@ -85,14 +87,10 @@ def check_global_mean_loss(
 
     Prints one status line and returns None, correct or not attempted; raises
     :class:`ExerciseFailed` otherwise.
-    Exercise of ``notebooks/04_pitfalls.ipynb``.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
-    _require_function(global_mean_loss, 1, "global_mean_loss(losses)")
-    outs = _launch(_mean_loss_worker, global_mean_loss, world_size, timeout)
-    if outs is None:
-        return _not_attempted(global_mean_loss, "global_mean_loss")
-    name = _name(global_mean_loss)
+    outs = run_on_ranks(_mean_loss_worker, global_mean_loss, world_size, timeout)
+    name = name_of(global_mean_loss)
     sums, counts = zip(*outs[0]["sums_counts"], strict=True)
     total, n = sum(sums), sum(counts)
     expected = total / n
@@ -104,29 +102,34 @@ def check_global_mean_loss(
     for rank, out in enumerate(outs):
         result = out["result"]
         if result is None:
-            _fail(f"{name} returned None on rank {rank}: return the mean loss, a float.")
+            fail(f"{name} returned None on rank {rank}: return the mean loss, a float.")
         if isinstance(result, dict) and "tensor" in result:
-            _fail(f"rank {rank} returned a tensor, {result['tensor']:.60}: return a float "
-                  "(`.item()`), the number you log.")
+            fail(f"rank {rank} returned a tensor, {result['tensor']:.60}: return a float "
+                 "(`.item()`), the number you log.")
         if isinstance(result, dict):
-            _fail(f"rank {rank} returned {result['other']}: return the mean loss, a float.")
+            fail(f"rank {rank} returned {result['other']}: return the mean loss, a float.")
         if out["changed"]:
-            _fail(f"on rank {rank}, {name} changed the `losses` tensor it was given: in "
-                  "training it is also what backward() uses. Reduce a copy (losses.detach()."
-                  "sum() is a new tensor).")
+            fail(f"on rank {rank}, {name} changed the `losses` tensor it was given: in "
+                 "training it is also what backward() uses. Reduce a copy (losses.detach()."
+                 "sum() is a new tensor).")
     results = [out["result"] for out in outs]
+    got = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(results))
+    if not all(_same(r, results[0]) for r in results) and all(
+            _same(r, m) for r, m in zip(results, means, strict=True)):
+        fail(f"every rank returned its own mean ({got}; collectives called: "
+             f"{calls_text(calls)}): the ranks must exchange their sums and counts with "
+             "dist.all_reduce, and every rank gets the same global mean.")
+    if not any(out["counts"] for out in outs):
+        fail(f"{name} made no collective call, so no rank knows the others' losses (fresh random "
+             f"numbers at every check): the ranks returned {got}, the mean over all samples is "
+             f"{expected:.6g}. Reduce this rank's sum and count with dist.all_reduce.")
     if not all(_same(r, results[0]) for r in results):
-        got = ", ".join(f"rank {r}: {x:.6g}" for r, x in enumerate(results))
-        if all(_same(r, m) for r, m in zip(results, means, strict=True)):
-            _fail(f"every rank returned its own mean ({got}; collectives called: "
-                  f"{_calls_text(calls)}): the ranks must exchange their sums and counts with "
-                  "dist.all_reduce, and every rank gets the same global mean.")
         if all(_same(r, total / c) for r, c in zip(results, counts, strict=True)):
-            _fail(f"the ranks returned different values ({got}): each divided the global sum "
-                  "of the losses by its own count. all_reduce the count too (one call: "
-                  "torch.stack([loss_sum, count])) and divide by the total count.")
-        _fail(f"the ranks returned different values ({got}): every rank must make the same "
-              "all_reduce calls and divide the same totals, so that all log the same number.")
+            fail(f"the ranks returned different values ({got}): each divided the global sum "
+                 "of the losses by its own count. all_reduce the count too (one call: "
+                 "torch.stack([loss_sum, count])) and divide by the total count.")
+        fail(f"the ranks returned different values ({got}): every rank must make the same "
+             "all_reduce calls and divide the same totals, so that all log the same number.")
     got = results[0]
     if not _same(got, expected):
         if _same(got, mean_of_means):
@@ -149,14 +152,14 @@ def check_global_mean_loss(
             hint = "one rank's own mean: reduce over every rank."
         else:
             hint = f"not any of the usual mistakes (ranks' samples: {sizes})."
-        _fail(f"every rank returned {got:.6g}; the mean over all {int(n)} samples is "
-              f"{expected:.6g}. Yours is {hint}")
+        fail(f"every rank returned {got:.6g}; the mean over all {int(n)} samples is "
+             f"{expected:.6g}. Yours is {hint}")
     reduces = calls.get("all_reduce", 0)
     if reduces > 1:
         print(f"note: you called all_reduce {reduces} times; one call on "
               "torch.stack([loss_sum, count]) sends both numbers at once.")
-    return _passed(
+    return (
         f"with {sizes} samples, every one of the {world_size} ranks returned {got:.6g}, the mean "
         f"over all {int(n)} samples (the mean of the ranks' means would be {mean_of_means:.6g}; "
-        f"collectives called: {_calls_text(calls)})."
+        f"collectives called: {calls_text(calls)})."
     )
