@@ -14,6 +14,7 @@ import errno
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -315,7 +316,9 @@ def test_master_port_of_a_failed_launch_can_be_used_again_at_once():
             raise ValueError("fails")
         dist.all_reduce(torch.ones(1))
 
-    port = launcher._rendezvous_store(None, 5).port  # a free port (the store is gone again)
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with pytest.raises(RankFailedError):
         gst.launch(fn, world_size=2, master_port=port)
     assert gst.launch(lambda rank, ws: os.environ["MASTER_PORT"], 2, master_port=port) == [
