@@ -19,7 +19,7 @@ from tests.conftest import REPO
 from tests.e2e.conftest import Steps
 from tests.e2e.lab import alive, wait_gone, workers_under
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 SETUP, TICKER, HANG, AFTER_HANG, WARM = range(5)  # the probe's code cells, in order
 PROBE_CELLS = [

@@ -14,10 +14,12 @@ import pytest
 
 from tests.e2e.lab import Notebook
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
-RUN_ALL_SECONDS = {"00": 150, "02": 240}  # generous: only a limit for a notebook that hangs
+# Limits for a notebook that hangs, not speed checks: on the 2-core machine under a load average
+# of 20-28 (other jobs), Run All took up to 190 s for either notebook.
+RUN_ALL_SECONDS = {"00": 480, "02": 480}
 
 
 def _notebook_path(lab, number: str) -> str:
