@@ -88,8 +88,10 @@ class Notebook:
 
     def open(self) -> None:
         # ?reset: a fresh workspace, so no notebook of an earlier test opens (and starts a kernel)
-        self.page.goto(f"{self.lab.url}/lab/tree/{self.path}?reset&token={self.lab.token}")
-        self.page.wait_for_selector(CODE_CELLS, timeout=120_000)
+        # generous limits: a loaded 2-core machine took more than 30 s to load Lab
+        self.page.goto(f"{self.lab.url}/lab/tree/{self.path}?reset&token={self.lab.token}",
+                       wait_until="commit", timeout=120_000)
+        self.page.wait_for_selector(CODE_CELLS, timeout=180_000)
         deadline = time.monotonic() + 60
         while not self._session(missing_ok=True):  # the page asks the server for a kernel
             if time.monotonic() > deadline:

@@ -8,6 +8,7 @@ rework of the notebooks: the error cell is the one tagged ``raises-exception`` (
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from tests.e2e.lab import Notebook
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 RANK_LINE = re.compile(r"^\[rank (\d+)\] ", re.M)
+RANK_TRACEBACK = re.compile(r"Traceback \(most recent call last\)|Exception raised from|frame #\d")
 # Limits for a notebook that hangs, not speed checks: on the 2-core machine under a load average
 # of 20-28 (other jobs), Run All took up to 190 s for either notebook.
 RUN_ALL_SECONDS = {"00": 480, "02": 480}
@@ -34,6 +36,15 @@ def _expects_error(cell: dict) -> bool:
 
 def _errors(cell: dict) -> list[dict]:
     return [o for o in cell.get("outputs", []) if o["output_type"] == "error"]
+
+
+def _rank_tracebacks(cell: dict) -> list[str]:
+    """Rank stderr lines, relayed by the launcher, that belong to a Python or C++ traceback."""
+    text = "".join("".join(o["text"]) for o in cell.get("outputs", [])
+                   if o["output_type"] == "stream" and o["name"] == "stderr")
+    lines = [line for line in text.splitlines() if RANK_LINE.match(line)]
+    start = next((n for n, line in enumerate(lines) if RANK_TRACEBACK.search(line)), None)
+    return [] if start is None else lines[max(0, start - 1):]  # with the line that says why
 
 
 def _reader_lines(cell: dict) -> set[str]:
@@ -60,6 +71,7 @@ def test_run_all_in_lab(lab, page, artifacts, number):
         with step("File > Save, to read the outputs Lab holds"):
             nb.save()
             cells = nb.saved_code_cells()
+            shutil.copy(lab.course / nb.path, artifacts / f"lab-run-{number}.ipynb")
             assert len(cells) == len(prompts), "the file and the page disagree on the cells"
         with step("only the expected error cell shows an error"):
             expected = [i for i, c in enumerate(cells) if _expects_error(c)]
@@ -68,6 +80,12 @@ def test_run_all_in_lab(lab, page, artifacts, number):
                 f"cells with an error {raised}, expected {expected}:\n"
                 + "\n".join(f"cell {i}: {e['ename']}: {e['evalue'][:300]}"
                             for i in raised for e in _errors(cells[i])))
+        with step("no other cell shows a rank's traceback or stack dump in its stderr"):
+            dumps = {i: _rank_tracebacks(c) for i, c in enumerate(cells) if i not in expected}
+            dumps = {i: lines for i, lines in dumps.items() if lines}
+            assert not dumps, "\n".join(
+                f"cell {i} shows, although it is not expected to fail:\n" + "\n".join(lines[:4])
+                for i, lines in dumps.items())
         for i in expected:
             with step(f"error cell {i} shows the rank's error and the reader's line"):
                 _check_error_cell(nb, i, cells[i])
