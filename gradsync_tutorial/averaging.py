@@ -10,7 +10,7 @@ and *when*. In teaching order:
 4. :class:`OverlappedAverager` - a mini DDP: gradient hooks launch each bucket's call while
    backward is still running, and ``wait()`` collects them before ``optimizer.step()``.
 
-:func:`prepare` gives all of them, and DDP itself, one shape for the training loop, and
+:func:`make_averager` gives all of them, and DDP itself, one shape for the training loop, and
 :func:`ring_all_reduce` shows what one ``all_reduce`` does inside, with ``send``/``recv``.
 
 Inside a function run by ``gst.launch``:
@@ -21,13 +21,13 @@ Inside a function run by ``gst.launch``:
     ...     import torch.nn.functional as F
     ...     torch.manual_seed(0)                          # the same weights on every rank
     ...     model = gst.model.Net()
-    ...     net, average = gst.averaging.prepare(model, variant)
+    ...     net, average = gst.averaging.make_averager(model, variant)
     ...     x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
     ...     F.nll_loss(net(x), torch.zeros(8, dtype=torch.long)).backward()
     ...     average()                                     # every rank: the mean gradient
     ...     grads = [(name, p.grad) for name, p in model.named_parameters()]
     ...     return gst.checks.max_diff_across_ranks(grads)
-    >>> gst.launch(step, world_size=2, args=("overlap",))  # doctest: +SKIP
+    >>> gst.launch(step, world_size=2, args=("overlap",))
     [0.0, 0.0]
 
 Introduced in ``notebooks/05_performance.ipynb``.
@@ -50,11 +50,11 @@ __all__ = [
     "OverlappedAverager",
     "average_per_parameter",
     "make_buckets",
-    "prepare",
+    "make_averager",
     "ring_all_reduce",
 ]
 
-#: The variant names :func:`prepare` accepts, in teaching order.
+#: The variant names :func:`make_averager` accepts, in teaching order.
 VARIANTS = ("per-parameter", "flat", "bucketed", "overlap", "ddp")
 
 
@@ -67,7 +67,9 @@ def average_per_parameter(model: nn.Module) -> None:
     """Variant 1 (notebook 05): notebook 02's loop, one ``all_reduce`` per parameter.
 
     Correct, but every call pays the collective's fixed cost (its latency) again: 8 calls for
-    the course's CNN, hundreds for a real network.
+    the course's CNN, hundreds for a real network. This is the package's one
+    ``average_gradients``; notebooks 02 to 04 and ``scripts/train_manual.py`` write it out
+    again on purpose, as the lesson (each copy says so where it stands).
     """
     world_size = dist.get_world_size()
     for param in model.parameters():
@@ -269,12 +271,12 @@ class OverlappedAverager:
 # --------------------------------------------------------------------------------------------
 
 
-def prepare(
+def make_averager(
     model: nn.Module, variant: str, *, bucket_cap_mb: float = 25.0, **ddp_options
 ) -> tuple[nn.Module, Callable[[], None]]:
     """Return ``(net, average)`` for one of :data:`VARIANTS`, so one loop runs them all::
 
-        net, average = prepare(model, "flat")
+        net, average = make_averager(model, "flat")
         loss = F.nll_loss(net(x), y)
         loss.backward()
         average()               # every rank now holds the mean gradient in model's .grad
@@ -329,7 +331,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> int:
         ...     t = torch.full((10,), rank + 1.0)
         ...     sent = gst.averaging.ring_all_reduce(t)
         ...     return t[0].item(), sent
-        >>> gst.launch(ring, world_size=4)               # doctest: +SKIP
+        >>> gst.launch(ring, world_size=4)
         [(10.0, 60), (10.0, 64), (10.0, 60), (10.0, 56)]
     """
     if not tensor.is_contiguous():

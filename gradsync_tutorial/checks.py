@@ -11,9 +11,9 @@ Inside a launched function, where the process group is initialized, use the coll
     ...     import torch
     ...     torch.manual_seed(0)                      # same seed -> same initial weights
     ...     model = gst.model.Net()
-    ...     gst.checks.assert_equal_across_ranks(model)   # raises on every rank if not
+    ...     gst.checks.assert_replicas_equal(model)   # raises on every rank if not
     ...     return gst.checks.max_diff_across_ranks(model)
-    >>> gst.launch(train, world_size=2)               # doctest: +SKIP
+    >>> gst.launch(train, world_size=2)
     [0.0, 0.0]
 
 In the notebook itself, on state dicts that the ranks returned, use :func:`compare_state_dicts`
@@ -31,10 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._wording import ranks as _ranks
+
 __all__ = [
-    "assert_equal_across_ranks",
+    "assert_replicas_equal",
     "compare_ranks",
     "compare_state_dicts",
+    "max_abs_diff",
     "max_diff_across_ranks",
 ]
 
@@ -66,15 +69,31 @@ def _named_tensors(obj: Tensors | torch.Tensor, buffers: bool = False) -> list:
     return named
 
 
-def _max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``max |x - y|`` as a 0-d float64 tensor; equal NaNs and infinities count as equal."""
+def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``max |x - y|`` over all elements, in float64; ``0.0`` for empty tensors.
+
+    Equal infinities, and NaN against NaN, count as equal; a NaN against a number counts as
+    infinitely far; tensors of different shapes are infinitely far apart. Every comparison in
+    the package (and in the exercises' checks) uses it.
+
+        >>> import torch
+        >>> from gradsync_tutorial.checks import max_abs_diff
+        >>> max_abs_diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+        0.5
+        >>> max_abs_diff(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+        0.0
+        >>> max_abs_diff(torch.tensor([float("nan")]), torch.tensor([0.0]))
+        inf
+    """
+    if x.shape != y.shape:
+        return float("inf")
     x, y = x.detach().to(torch.float64), y.detach().to(torch.float64)
     if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=x.device)
+        return 0.0
     diff = (x - y).abs()
     same = (x == y) | (x.isnan() & y.isnan())  # inf - inf and nan - nan would give nan
     # A NaN against a number is as different as can be: call it infinitely far.
-    return torch.where(same, 0.0, diff).nan_to_num(nan=float("inf")).max()
+    return torch.where(same, 0.0, diff).nan_to_num(nan=float("inf")).max().item()
 
 
 def _fmt(d: float) -> str:
@@ -124,15 +143,15 @@ def _check_same_structure(named: list) -> None:
 
 def _diffs_from_rank0(named: list, device: torch.device) -> torch.Tensor:
     """For each tensor, ``max |mine - rank 0's|`` on this rank (zeros on rank 0)."""
-    diffs = []
+    diffs = []  # floats; one tensor of them for the collectives that follow
     for _, t in named:
         mine = t.detach().to(device)
         if mine.dtype == torch.bool:  # not every backend sends bools
             mine = mine.to(torch.uint8)
         theirs = mine.clone(memory_format=torch.contiguous_format)
         dist.broadcast(theirs, src=0)  # now `theirs` holds rank 0's values on every rank
-        diffs.append(_max_abs_diff(mine, theirs))
-    return torch.stack(diffs) if diffs else torch.zeros(0, dtype=torch.float64, device=device)
+        diffs.append(max_abs_diff(mine, theirs))
+    return torch.tensor(diffs, dtype=torch.float64, device=device)
 
 
 def max_diff_across_ranks(model_or_tensors: Tensors, *, buffers: bool = False) -> float:
@@ -155,7 +174,7 @@ def max_diff_across_ranks(model_or_tensors: Tensors, *, buffers: bool = False) -
         ...     torch.manual_seed(0)
         ...     model = gst.model.Net()
         ...     return gst.checks.max_diff_across_ranks(model)
-        >>> gst.launch(step, world_size=2)                # doctest: +SKIP
+        >>> gst.launch(step, world_size=2)
         [0.0, 0.0]
 
     Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
@@ -169,7 +188,7 @@ def max_diff_across_ranks(model_or_tensors: Tensors, *, buffers: bool = False) -
     return worst.item()
 
 
-def assert_equal_across_ranks(
+def assert_replicas_equal(
     model_or_tensors: Tensors, atol: float = 0.0, *, buffers: bool = False
 ) -> None:
     """Raise ``AssertionError`` on *every* rank if any rank's tensors differ from rank 0's.
@@ -183,11 +202,13 @@ def assert_equal_across_ranks(
         >>> import gradsync_tutorial as gst
         >>> def step(rank, world_size):
         ...     import torch
-        ...     model = gst.model.Net()                   # no seed: different weights!
-        ...     gst.checks.assert_equal_across_ranks(model)
-        >>> gst.launch(step, world_size=2)                # doctest: +SKIP
+        ...     torch.manual_seed(rank)                   # a seed per rank: different weights!
+        ...     model = gst.model.Net()
+        ...     gst.checks.assert_replicas_equal(model)
+        >>> gst.launch(step, world_size=2)
         Traceback (most recent call last):
-        RankFailedError: rank 0 raised AssertionError: replicas differ: 'conv1.weight' ...
+        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: replicas
+        differ: 'conv1.weight' on rank 1 differs from rank 0's by up to ...
 
     Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
     """
@@ -207,9 +228,8 @@ def assert_equal_across_ranks(
     first = differing[0]
     ranks = bad[:, first].nonzero().flatten().tolist()
     others = [named[i][0] for i in differing[1:]]
-    where = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     raise AssertionError(
-        f"replicas differ: {named[first][0]!r} on {where} differs from rank 0's by up to "
+        f"replicas differ: {named[first][0]!r} on {_ranks(ranks)} differs from rank 0's by up to "
         f"{_fmt(table[:, first].max().item())} (atol={atol:g}); "
         f"{len(differing)} of {len(named)} tensors differ"
         + (f" (also: {', '.join(others)})" if others else "")
@@ -274,7 +294,7 @@ def compare_state_dicts(
     name_a, name_b = names
     da, db = _as_dict(a), _as_dict(b)
     _check_keys_and_shapes(da, db, name_a, name_b)
-    diffs = {k: _max_abs_diff(da[k].cpu(), db[k].cpu()).item() for k in da}
+    diffs = {k: max_abs_diff(da[k].cpu(), db[k].cpu()) for k in da}
     overall = max(diffs.values(), default=0.0)
     if show:
         label = f"max |{name_a} - {name_b}|"
@@ -310,7 +330,7 @@ def compare_ranks(states: Sequence[Tensors], show: bool = True) -> float:
         _check_keys_and_shapes(dicts[0], d, "rank 0", f"rank {rank}")
     rows, overall = [], 0.0
     for key, ref in dicts[0].items():
-        per_rank = [_max_abs_diff(d[key].cpu(), ref.cpu()).item() for d in dicts]
+        per_rank = [max_abs_diff(d[key].cpu(), ref.cpu()) for d in dicts]
         worst = max(per_rank)
         overall = max(overall, worst)
         differ = [str(r) for r, d in enumerate(per_rank) if d > 0]

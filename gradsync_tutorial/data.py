@@ -1,8 +1,8 @@
 """Fashion-MNIST (or MNIST) as two in-memory tensors: ``images, labels = load()``.
 
     >>> from gradsync_tutorial import data
-    >>> images, labels = data.load()                    # doctest: +SKIP
-    >>> images.shape, images.dtype, labels.shape, labels.dtype   # doctest: +SKIP
+    >>> images, labels = data.load()
+    >>> images.shape, images.dtype, labels.shape, labels.dtype
     (torch.Size([60000, 1, 28, 28]), torch.float32, torch.Size([60000]), torch.int64)
 
 The whole training set is 60,000 images of 28x28 bytes, 188 MB as float32: it fits in memory,
@@ -326,7 +326,7 @@ def ensure_files(
 
     Example:
         >>> from gradsync_tutorial import data
-        >>> data.ensure_files()                             # doctest: +SKIP
+        >>> data.ensure_files()
         PosixPath('.../data/FashionMNIST/raw')
 
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
@@ -417,8 +417,8 @@ def load(
 
     Example:
         >>> from gradsync_tutorial import data
-        >>> images, labels = data.load(train=False)        # doctest: +SKIP
-        >>> images.shape, labels[:5]                        # doctest: +SKIP
+        >>> images, labels = data.load(train=False)
+        >>> images.shape, labels[:5]
         (torch.Size([10000, 1, 28, 28]), tensor([9, 2, 1, 1, 6]))
 
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.

@@ -6,14 +6,14 @@ Each one turns a bug that runs without complaint into a number or an error messa
 * :func:`sample_overlap` (in the notebook) and :func:`assert_disjoint_shards` (inside the
   ranks): do two ranks read the same samples? (Every rank reading all the data runs fine, and
   N ranks then do the work of one.)
-* :func:`assert_same_across_ranks` (inside the ranks): do all ranks agree on a value, such as
+* :func:`assert_ranks_agree_on` (inside the ranks): do all ranks agree on a value, such as
   the number of batches they are about to take? Run it *before* a loop whose collectives would
   otherwise hang when one rank takes one step more than the others.
 * :func:`count_collectives` (inside the ranks): how many ``all_reduce``, ``broadcast``, ...
   calls does a piece of code make, and how many bucket all-reduces does DDP make?
 
 For the replicas themselves (are the parameters equal on every rank?) use
-:func:`gradsync_tutorial.checks.assert_equal_across_ranks`.
+:func:`gradsync_tutorial.checks.assert_replicas_equal`.
 
     >>> import torch
     >>> from gradsync_tutorial.detect import sample_overlap
@@ -45,7 +45,7 @@ __all__ = [
     "CollectiveCounter",
     "Overlap",
     "assert_disjoint_shards",
-    "assert_same_across_ranks",
+    "assert_ranks_agree_on",
     "count_collectives",
     "sample_overlap",
 ]
@@ -172,9 +172,10 @@ def assert_disjoint_shards(
         ...     order = torch.randperm(100, generator=torch.Generator().manual_seed(0))
         ...     shard = order                     # the bug: should be order[rank::world_size]
         ...     gst.detect.assert_disjoint_shards(shard)
-        >>> gst.launch(epoch, world_size=2)       # doctest: +SKIP
+        >>> gst.launch(epoch, world_size=2)
         Traceback (most recent call last):
-        RankFailedError: rank 0 raised AssertionError: the ranks' shards overlap: ...
+        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: the
+        ranks' shards overlap: ...
 
     Introduced in ``notebooks/04_pitfalls.ipynb``.
     """
@@ -199,14 +200,14 @@ def assert_disjoint_shards(
 # --------------------------------------------------------------------------------------------
 
 
-def assert_same_across_ranks(value: Any, what: str = "value") -> list:
+def assert_ranks_agree_on(value: Any, what: str = "value") -> list:
     """Inside the ranks: raise ``AssertionError`` on every rank unless all ranks pass equal
     values; return the list of every rank's value.
 
     ``value`` is anything picklable and comparable with ``==`` (a number, a string, a tuple of
     shapes...). Typical use, before a training loop whose every step makes collectives::
 
-        gst.detect.assert_same_across_ranks(len(batches), "batches per epoch")
+        gst.detect.assert_ranks_agree_on(len(batches), "batches per epoch")
 
     If one rank would take more steps than the others, it would wait forever in a collective
     that the others never call. This check turns that hang into an error naming every rank's
@@ -415,7 +416,7 @@ def count_collectives(*functions: Callable) -> CollectiveCounter:
         ...         for _ in range(3):
         ...             dist.all_reduce(torch.ones(1))
         ...     return calls["all_reduce"]
-        >>> gst.launch(step, world_size=2)                # doctest: +SKIP
+        >>> gst.launch(step, world_size=2)
         [3, 3]
 
     Introduced in ``notebooks/04_pitfalls.ipynb``.

@@ -14,7 +14,8 @@ It prints one line per check, ``ok``, ``info``, ``warn`` or ``FAIL``, and under 
 * ``notebooks``: each notebook's expected run time on this machine: its time on the reference
   machine (:data:`REFERENCE_SECONDS`) scaled by this machine's epoch time over the reference's.
 
-The exit status is 0 when no check failed (warnings allowed), 1 otherwise.
+The exit status is 0 when no check failed (warnings allowed), 1 otherwise. (The example is
+skipped when the docstrings run as tests: it takes ~15 s and its output is the machine's.)
 
     >>> from gradsync_tutorial import doctor
     >>> doctor.main([])                                 # doctest: +SKIP
@@ -41,6 +42,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from ._wording import plural
 
 __all__ = [
     "REFERENCE_EPOCH_SECONDS",
@@ -191,7 +194,7 @@ def check_devices() -> Check:
                      "cores), one process per rank, over gloo")
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     listed = ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
-    return Check("devices", "info", f"{gpus} CUDA GPU{'s' if gpus > 1 else ''}: {listed}")
+    return Check("devices", "info", f"{plural(gpus, 'CUDA GPU')}: {listed}")
 
 
 def check_backends() -> Check:
@@ -476,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [r.name for r in results if r.failed]
     took = time.perf_counter() - start
     if failed:
-        print(f"NOT READY: {len(failed)} check{'s' if len(failed) > 1 else ''} failed "
+        print(f"NOT READY: {plural(len(failed), 'check')} failed "
               f"({', '.join(failed)}). Follow each 'fix:' above, then run `python -m "
               f"gradsync_tutorial doctor` again. ({took:.0f} s)")
         return 1

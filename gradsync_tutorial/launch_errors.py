@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ._wording import ranks as _ranks
+
 if TYPE_CHECKING:
     from ._processes import _JobState
 
@@ -232,12 +234,6 @@ def _with_cell_labels(tb: str) -> str:
         return f"{_file_label(match.group(1))}, line {match.group(2)}, in "
 
     return _FILE_LINE.sub(label, tb)
-
-
-def _ranks(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks))
 
 
 def _file_label(path: str) -> str:

@@ -6,7 +6,7 @@
     ...     t = torch.tensor([rank + 1.0])
     ...     dist.all_reduce(t)            # every rank receives the sum over all ranks
     ...     return t.item()
-    >>> gst.launch(hello, world_size=2)   # doctest: +SKIP
+    >>> gst.launch(hello, world_size=2)
     [3.0, 3.0]
 
 Introduced in ``notebooks/00_launching_workers.ipynb``.
@@ -88,6 +88,7 @@ from typing import Any
 
 from ._messages import Job, Teardown
 from ._processes import _Deadline, _JobState, _Workers
+from ._wording import require_int
 from .launch_errors import (
     HANG_HINT,
     Failure,
@@ -179,9 +180,7 @@ def _open_descriptors() -> int:
 
 
 def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int (the number of ranks), "
-                         f"got {world_size!r}. Try world_size=2.")
+    require_int(world_size, "world_size", what="the number of ranks", hint="Try world_size=2.")
     limit, why = _max_world_size()
     if world_size > limit:
         raise ValueError(f"world_size={world_size} is more ranks than this machine can start: "
@@ -214,10 +213,9 @@ def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks,
         raise ValueError(f"timeout must be a positive number of seconds (finite), got "
                          f"{timeout!r}. For a long run pass a generous bound, such as "
                          f"timeout=24 * 3600 (at most {MAX_TIMEOUT:.0e}).")
-    if num_threads is not None and (
-        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-    ):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}.")
+    if num_threads is not None:
+        require_int(num_threads, "num_threads", what="torch threads per rank",
+                    hint="Leave num_threads=None for CPU cores // world_size.")
     if show_ranks is not None:
         bad = [r for r in show_ranks
                if isinstance(r, bool) or not isinstance(r, int) or r not in range(world_size)]
@@ -475,7 +473,7 @@ def launch(
 
     Example:
         >>> import gradsync_tutorial as gst
-        >>> gst.launch(lambda rank, world_size: rank * 10, world_size=2)  # doctest: +SKIP
+        >>> gst.launch(lambda rank, world_size: rank * 10, world_size=2)
         [0, 10]
     """
     # IPython and pytest hide frames that set this: an error cell then shows the rank's

@@ -60,6 +60,7 @@ print(f"DistributedSampler == order[rank::{WORLD_SIZE}] for every rank and epoch
 # A flag keeps the manual path so we can compare the two in one function.
 
 # %%
+# Deliberate lesson copy: the package's one is gst.averaging.average_per_parameter.
 def average_gradients(model):  # notebook 02's version, for the comparison
     for param in model.parameters():
         if param.grad is not None:

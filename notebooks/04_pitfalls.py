@@ -61,6 +61,7 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # logs: by default, this rank's own loss, as in notebook 02.
 
 # %%
+# Deliberate lesson copy: the package's one is gst.averaging.average_per_parameter.
 def average_gradients(model):  # notebook 02
     world_size = dist.get_world_size()
     for param in model.parameters():
@@ -96,7 +97,7 @@ def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sha
             shard = torch.tensor(list(sampler))
         batches = shard.split(batch_size)
         if check_steps:  # 6, the check: do all ranks take the same number of steps?
-            gst.detect.assert_same_across_ranks(len(batches), "batches per epoch")
+            gst.detect.assert_ranks_agree_on(len(batches), "batches per epoch")
         model.train()
         for idx in batches:
             x, y = images[idx].to(device), labels[idx].to(device)
@@ -190,7 +191,7 @@ fig = gst.plots.plot_loss_curves(
 
 
 # %% [markdown]
-# **Detect**: `gst.checks.assert_equal_across_ranks(model)` (notebook 02) compares every rank's
+# **Detect**: `gst.checks.assert_replicas_equal(model)` (notebook 02) compares every rank's
 # tensors with rank 0's and names the first one that differs. Call it once after building the
 # model, and after a step now and then; it raises on every rank, so no rank is left waiting.
 
@@ -203,7 +204,7 @@ def first_weights(rank, world_size, fix=None):
             dist.broadcast(param.data, src=0)  # every rank receives rank 0's values
     if fix == "ddp":
         model = DDP(model).module  # DDP broadcasts rank 0's parameters when it is built
-    gst.checks.assert_equal_across_ranks(model)  # the check: raises on every rank if they differ
+    gst.checks.assert_replicas_equal(model)  # the check: raises on every rank if they differ
     return fix
 
 
@@ -407,7 +408,7 @@ assert errors(weighted[0])[0] <= 1e-5 and errors(weighted[0])[1] <= 1e-6  # the 
 # %% [markdown]
 # **Detect**: compare the distributed loss with a single-process computation on the same samples,
 # as here. Where your code assumes equal batches, guard it with
-# `gst.detect.assert_same_across_ranks(len(idx), "batch size")` (pitfall 6 shows this check at
+# `gst.detect.assert_ranks_agree_on(len(idx), "batch size")` (pitfall 6 shows this check at
 # work).
 #
 # ## 6. Ranks run different numbers of steps
@@ -438,7 +439,7 @@ except gst.LaunchTimeoutError as err:
     assert err.unfinished == [0]
 
 # %% [markdown]
-# **Detect, before it hangs**: `gst.detect.assert_same_across_ranks(len(batches), "batches per
+# **Detect, before it hangs**: `gst.detect.assert_ranks_agree_on(len(batches), "batches per
 # epoch")` gathers the value from every rank and raises on every rank if they differ: an error in
 # a second, naming every rank's count, instead of a hang (the `check_steps` switch of `train`).
 
@@ -706,7 +707,7 @@ bn_ddp = gst.launch(train_bn, WORLD_SIZE, args=("DDP",))[0]
 
 # %% [markdown]
 # **Symptom and detection**: the parameters agree, the running statistics do not.
-# `gst.checks.max_diff_across_ranks(model, buffers=True)` (or `assert_equal_across_ranks`)
+# `gst.checks.max_diff_across_ranks(model, buffers=True)` (or `assert_replicas_equal`)
 # compares the buffers too.
 
 # %%

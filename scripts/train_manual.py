@@ -181,8 +181,6 @@ def train(args: argparse.Namespace) -> dict:
         log(f"resumed from {args.checkpoint} after epoch {done}")
     elif args.resume:
         log(f"no checkpoint at {args.checkpoint} yet: starting from scratch")
-    if os.environ.get("GRADSYNC_FAIL_RANK") == str(rank):  # failure injection, for the tests
-        raise RuntimeError(f"rank {rank} fails on purpose (GRADSYNC_FAIL_RANK={rank})")
 
     for epoch in range(done, args.epochs):
         start = time.perf_counter()

@@ -33,18 +33,18 @@ def test_equal_replicas_pass_and_a_planted_difference_is_caught():
             "state_dict": checks.max_diff_across_ranks(model.state_dict()),
             "pairs": checks.max_diff_across_ranks(model.named_parameters()),
         }
-        checks.assert_equal_across_ranks(model)  # must pass silently
+        checks.assert_replicas_equal(model)  # must pass silently
 
         if rank == 1:  # the planted bug: one rank's update differs a little
             with torch.no_grad():
                 model.fc2.weight[3, 7] += 1e-3
         out["planted"] = checks.max_diff_across_ranks(model)
         try:
-            checks.assert_equal_across_ranks(model)
+            checks.assert_replicas_equal(model)
             out["message"] = None
         except AssertionError as e:
             out["message"] = str(e)
-        checks.assert_equal_across_ranks(model, atol=1e-2)  # within tolerance: passes
+        checks.assert_replicas_equal(model, atol=1e-2)  # within tolerance: passes
         return out
 
     results = gst.launch(run, world_size=2, backend="gloo", timeout=120)
@@ -76,7 +76,7 @@ def test_buffers_odd_dtypes_and_mismatched_structure():
             "with_buffers": checks.max_diff_across_ranks(model, buffers=True),
         }
         try:
-            checks.assert_equal_across_ranks(model, buffers=True)
+            checks.assert_replicas_equal(model, buffers=True)
         except AssertionError as e:
             out["buffer_message"] = str(e)
 

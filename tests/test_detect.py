@@ -89,12 +89,12 @@ def test_rank_checks_pass_correct_code_and_catch_planted_bugs():
             "padded": _catch(detect.assert_disjoint_shards, order[:3] if rank else order[:2]),
             "padded_ok": _catch(detect.assert_disjoint_shards, order[:3] if rank else order[:2],
                                 max_shared=2),
-            "same": detect.assert_same_across_ranks(4, "batches per epoch"),
-            "same_tensor": detect.assert_same_across_ranks(torch.ones(2), "a tensor"),
+            "same": detect.assert_ranks_agree_on(4, "batches per epoch"),
+            "same_tensor": detect.assert_ranks_agree_on(torch.ones(2), "a tensor"),
             # Planted: one rank would take one step more than the other.
-            "steps": _catch(detect.assert_same_across_ranks, 5 if rank == 0 else 4, "steps"),
-            "tensor": _catch(detect.assert_same_across_ranks, torch.full((2,), float(rank))),
-            "shape": _catch(detect.assert_same_across_ranks, torch.ones(rank + 1)),
+            "steps": _catch(detect.assert_ranks_agree_on, 5 if rank == 0 else 4, "steps"),
+            "tensor": _catch(detect.assert_ranks_agree_on, torch.full((2,), float(rank))),
+            "shape": _catch(detect.assert_ranks_agree_on, torch.ones(rank + 1)),
         }
         return out
 

@@ -28,14 +28,14 @@ import gradsync_tutorial as gst
 from .conftest import REPO
 
 SCRIPTS = REPO / "scripts"
+FAIL_RANK = REPO / "tests" / "fail_rank.py"  # runs a script with one rank failing on purpose
 EQUAL = re.compile(r"^parameters equal across (\d+) ranks: max \|p - p on rank 0\| = (\S+)$", re.M)
 TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one is killed
 
 
 def torchrun(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``torchrun ARGS`` with this interpreter, from the repository root."""
-    full_env = {k: v for k, v in os.environ.items() if k != "GRADSYNC_FAIL_RANK"}
-    full_env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))  # CPU, gloo
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *map(str, args)], cwd=REPO,
         env=full_env, capture_output=True, text=True, timeout=TIMEOUT,
@@ -156,15 +156,23 @@ def test_one_epoch_save_resume_one_epoch_equals_two_epochs(straight, tmp_path):
 
 
 def test_failing_rank_exits_nonzero_and_is_the_root_cause_with_its_traceback():
-    run = torchrun("--standalone", "--nproc-per-node", 2, SCRIPTS / "train_ddp.py", "--smoke",
-                   "--epochs", 1, env={"GRADSYNC_FAIL_RANK": "1"})
+    # The fault is injected from outside (tests/fail_rank.py): the scripts have no test hook.
+    run = torchrun("--standalone", "--nproc-per-node", 2, FAIL_RANK, 1, SCRIPTS / "train_ddp.py",
+                   "--smoke", "--epochs", 1)
     assert run.returncode != 0
     # torchrun's summary ends stderr; @record puts rank 1's traceback under "Root Cause"
     root_cause = run.stderr[run.stderr.rindex("Root Cause (first observed failure)"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
-    assert "RuntimeError: rank 1 fails on purpose (GRADSYNC_FAIL_RANK=1)" in root_cause
+    assert "RuntimeError: rank 1 fails on purpose (tests/fail_rank.py 1)" in root_cause
     assert "train_ddp.py" in root_cause  # the traceback, not "To enable traceback see: ..."
     assert not EQUAL.search(run.stdout)
+
+
+def test_the_scripts_carry_no_test_hooks():
+    """People copy these files: nothing in them may exist only for the tests."""
+    for script in ("train_ddp.py", "train_manual.py"):
+        source = (SCRIPTS / script).read_text()
+        assert "GRADSYNC_FAIL" not in source and "on purpose" not in source, script
 
 
 # -- the command line, without starting any process ---------------------------------------------

@@ -19,13 +19,6 @@ def _data():
     )
 
 
-def _average_gradients(model):
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-            p.grad /= dist.get_world_size()
-
-
 def _train(rank, world_size, mode):
     """STEPS steps of SGD, dropout off; each rank takes its slice of each global batch."""
     torch.manual_seed(SEED)
@@ -40,7 +33,7 @@ def _train(rank, world_size, mode):
         optimizer.zero_grad()
         F.nll_loss(model(x), y).backward()
         if mode == "manual":
-            _average_gradients(model)
+            gst.averaging.average_per_parameter(model)  # notebook 02's loop
         optimizer.step()
     return (model.module if mode == "ddp" else model).state_dict()
 
@@ -89,7 +82,7 @@ def test_same_seed_gives_identical_loss_histories():
             optimizer.zero_grad()
             loss = F.nll_loss(model(images[batch][rank::2]), labels[batch][rank::2])
             loss.backward()
-            _average_gradients(model)
+            gst.averaging.average_per_parameter(model)  # notebook 02's loop
             optimizer.step()
             history.append(loss.item())
         return history

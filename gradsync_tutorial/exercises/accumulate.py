@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._wording import require_int
 from .common import (
     SEED,
     call_or_stub,
@@ -64,8 +65,7 @@ def check_accumulate_gradients(
     :class:`ExerciseFailed` otherwise.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 2:
-        raise ValueError(f"micro_batches must be an int >= 2, got {micro_batches!r}.")
+    require_int(micro_batches, "micro_batches", minimum=2)
     name = name_of(accumulate_gradients)
     batch = 8 * micro_batches
     with torch.random.fork_rng(devices=[]):  # leave the notebook's random state alone

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._wording import ranks
 from ..detect import _swap_back, _swap_in
 from ..model import Net
 from .common import (
@@ -254,7 +255,7 @@ def check_save_checkpoint(
     early = [rank for rank, o in enumerate(outs) if not o["exists"]]
     if early:
         fail(
-            f"rank(s) {', '.join(map(str, early))} returned from {name_of(save_checkpoint)} before "
+            f"{ranks(early)} returned from {name_of(save_checkpoint)} before "
             "the file existed: a rank that goes on (or exits, or is restarted) while rank 0 is "
             "still writing can find no checkpoint, or half of one. After rank 0's torch.save, "
             "call dist.barrier() on every rank."

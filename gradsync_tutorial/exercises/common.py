@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._wording import ranks, require_int
+from ..checks import max_abs_diff as max_abs_diff  # the package's one comparison of tensors
 from ..detect import CollectiveCounter as CollectiveCounter
 from ..launcher import HANG_HINT, LaunchTimeoutError, RankFailedError, launch
 from ..model import Net
@@ -187,9 +189,7 @@ def run_on_ranks(worker: Callable, fn: Any, world_size: int, timeout: float) -> 
     says so.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-        raise ValueError(f"world_size must be an int >= 2 (a check needs several ranks), got "
-                         f"{world_size!r}.")
+    require_int(world_size, "world_size", minimum=2, what="a check needs several ranks")
 
     def run(rank: int, world_size: int) -> Any:
         # A closure over fn, rather than args=(fn,), so that the launcher finds fn's source and
@@ -204,10 +204,9 @@ def run_on_ranks(worker: Callable, fn: Any, world_size: int, timeout: float) -> 
             f"points to, then run the check again.\n\n{e}"
         ) from None
     except LaunchTimeoutError as e:
-        stuck = ", ".join(map(str, e.unfinished))
         raise ExerciseFailed(
-            f"{name_of(fn)} did not finish within {timeout:g} s: rank(s) {stuck} were still "
-            f"waiting, so it hangs. {HANG_HINT}"
+            f"{name_of(fn)} did not finish within {timeout:g} s: {ranks(e.unfinished)} had not "
+            f"finished, so it hangs. {HANG_HINT}"
         ) from None
     if any(isinstance(r, str) and r == STUB for r in results):
         raise NotAttempted
@@ -249,13 +248,6 @@ def all_ranks(tensors: dict[str, torch.Tensor], world_size: int) -> list[dict]:
     everyone = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(everyone, flat)
     return [_unflatten(f, tensors) for f in everyone]
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between two tensors of one shape (inf if the shapes differ)."""
-    if a.shape != b.shape:
-        return float("inf")
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
