@@ -95,42 +95,39 @@ def plot_loss_curves(
         >>> len(fig.axes[0].lines)
         3
 
-    Introduced in ``notebooks/01_single_device_baseline.ipynb`` (the baseline alone); the ranks'
-curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
+    Introduced in ``notebooks/01_single_device_baseline.ipynb`` (the baseline alone); the
+    ranks' curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
     """
+    labels, curves = _labelled_curves(histories, labels)
+    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained") if ax is None else (ax.figure, ax)
+    if baseline is not None:  # first, so that the ranks' curves are drawn on top of them
+        refs = baseline if isinstance(baseline, Mapping) else {"single process": baseline}
+        for i, (label, values) in enumerate(refs.items()):
+            ys = _floats(values)
+            ax.plot(range(len(ys)), ys, linestyle="--", linewidth=2,
+                    color=BASELINE_COLORS[i % len(BASELINE_COLORS)], label=label)
+    for i, (label, values) in enumerate(zip(labels, curves, strict=True)):
+        ys = _floats(values)
+        ax.plot(range(len(ys)), ys, color=f"C{i % 10}", linewidth=1.2, alpha=0.9, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title or "")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    if save is not None:
+        fig.savefig(_save_path(save), dpi=DPI)
+    return fig
+
+
+def _labelled_curves(
+    histories: Sequence[Series] | Mapping[int, Series], labels: Sequence[str] | None
+) -> tuple[list[str], list[Series]]:
+    """The legend labels (``"rank 0"``, ... unless given) and the curves, in the same order."""
     if isinstance(histories, Mapping):
         ranks, curves = list(histories.keys()), list(histories.values())
     else:
         curves = list(histories)
         ranks = list(range(len(curves)))
     if labels is None:
-        labels = [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks]
-    elif len(labels) != len(curves):
+        return [f"rank {r}" if isinstance(r, int) else str(r) for r in ranks], curves
+    if len(labels) != len(curves):
         raise ValueError(f"got {len(labels)} labels for {len(curves)} loss histories.")
-
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-    else:
-        fig = ax.figure
-
-    # Baselines first, so that the ranks' curves are drawn on top of them.
-    if baseline is not None:
-        refs = baseline if isinstance(baseline, Mapping) else {"single process": baseline}
-        for i, (label, values) in enumerate(refs.items()):
-            ys = _floats(values)
-            ax.plot(range(len(ys)), ys, linestyle="--", linewidth=2,
-                    color=BASELINE_COLORS[i % len(BASELINE_COLORS)], label=label)
-
-    for i, (label, values) in enumerate(zip(labels, curves, strict=True)):
-        ys = _floats(values)
-        ax.plot(range(len(ys)), ys, color=f"C{i % 10}", linewidth=1.2, alpha=0.9, label=label)
-
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    if save is not None:
-        fig.savefig(_save_path(save), dpi=DPI)
-    return fig
+    return list(labels), curves

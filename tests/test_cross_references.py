@@ -1,0 +1,121 @@
+"""Every notebook, section and run time that the README, the doctor and the docstrings name
+exists and agrees, so that renaming, adding or re-timing a notebook cannot leave a reference
+behind.
+
+The tests read names and numbers only (file names, "notebook NN", table rows, anchors), never
+prose, so editing a notebook's text does not break them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gradsync_tutorial import doctor
+from gradsync_tutorial.exercises import EXERCISES
+
+from .conftest import REPO
+
+NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NUMBERS = {name[:2] for name in NOTEBOOKS}
+README = (REPO / "README.md").read_text()
+#: Where the course refers to its notebooks: the README, the package, the scripts, benchmarks.
+REFERRING = [REPO / "README.md", *sorted((REPO / "gradsync_tutorial").rglob("*.py")),
+             *sorted((REPO / "scripts").glob("*.py")), *sorted((REPO / "benchmarks").glob("*.py"))]
+
+# notebooks/02_manual_allreduce_averaging.ipynb (a path, in prose, a link or a docstring)
+NOTEBOOK_PATH = re.compile(r"notebooks/(\d\d_[A-Za-z0-9_]+)\.ipynb")
+# "notebook 05", "notebooks 02 and 03", "notebooks 02 to 04", "notebooks 02, 03"
+NOTEBOOK_NUMBERS = re.compile(r"\bnotebooks? (\d\d(?:(?:,| and| to| or|,? and) \d\d)*)\b", re.I)
+# | [02 Manual ...](notebooks/02_manual_allreduce_averaging.ipynb) | question | 2 min 10 s |
+TABLE_ROW = re.compile(r"^\| \[(\d\d) [^]]*\]\(notebooks/(\d\d_\w+\.ipynb)\) \|.*\| ([^|]+) \|$",
+                       re.M)
+# Names that stand for "any notebook" in the docs of the tools that build them.
+PLACEHOLDERS = {"02_x", "NN_x"}
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _seconds(duration: str) -> int:
+    """"2 min 10 s (mostly the benchmark)" -> 130; "40 s" -> 40."""
+    m = re.match(r"\s*(?:(\d+) min)?\s*(?:(\d+) s)?", duration)
+    if not m or not any(m.groups()):
+        raise ValueError(f"not a run time: {duration!r}")
+    return int(m.group(1) or 0) * 60 + int(m.group(2) or 0)
+
+
+def test_there_are_notebooks_to_check():
+    assert len(NOTEBOOKS) >= 7 and NOTEBOOKS[0].startswith("00_")
+
+
+@pytest.mark.parametrize("path", REFERRING, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_notebook_path_named_exists(path):
+    named = {m for m in NOTEBOOK_PATH.findall(_text(path)) if m not in PLACEHOLDERS}
+    missing = sorted(f"{m}.ipynb" for m in named if f"{m}.ipynb" not in NOTEBOOKS)
+    assert not missing, f"{path.name} names notebooks that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", REFERRING, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_notebook_number_named_exists(path):
+    named = {n for group in NOTEBOOK_NUMBERS.findall(_text(path)) for n in re.findall(r"\d\d",
+                                                                                     group)}
+    assert named <= NUMBERS, f"{path.name} names notebooks {sorted(named - NUMBERS)}: none exist"
+
+
+#: Public modules that name no notebook, and why.
+NOT_TAUGHT = {
+    "doctor.py": "run once before the course (make doctor), and says so",
+    "launch_errors.py": "part of launch, whose module (launcher.py) names notebook 00",
+}
+
+
+def test_every_public_module_says_where_it_is_introduced():
+    """d2l's rule: each helper points back to the notebook that teaches it."""
+    for path in sorted((REPO / "gradsync_tutorial").glob("[a-z]*.py")):
+        if path.name in NOT_TAUGHT:
+            continue
+        text = _text(path)
+        assert NOTEBOOK_PATH.search(text) or NOTEBOOK_NUMBERS.search(text), (
+            f"{path.name} names no notebook: say which one introduces it")
+
+
+def test_the_doctors_reference_times_cover_exactly_the_notebooks():
+    assert sorted(doctor.REFERENCE_SECONDS) == NOTEBOOKS
+
+
+def test_the_readme_notebook_table_lists_every_notebook_once_with_the_doctors_time():
+    rows = TABLE_ROW.findall(README)
+    assert [file for _, file, _ in rows] == NOTEBOOKS, "one row per notebook, in course order"
+    for number, file, duration in rows:
+        assert file.startswith(number), f"the row titled {number} links to {file}"
+        reference = doctor.REFERENCE_SECONDS[file]
+        assert reference is not None and _seconds(duration) == reference, (
+            f"README says {file} runs in {duration.strip()}; the doctor's reference time is "
+            f"{reference} s: measure again and update both")
+
+
+def test_every_exercise_names_an_existing_notebook():
+    for exercise in EXERCISES.values():
+        assert exercise.notebook in NOTEBOOKS, exercise
+
+
+def test_every_readme_link_to_a_file_or_section_resolves():
+    anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", README, re.M)}
+    for target in re.findall(r"\]\(([^)\s]+)\)", README):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        if path:
+            assert (REPO / path).exists(), f"README links to {path}, which does not exist"
+        elif anchor:
+            assert anchor in anchors, f"README links to #{anchor}: no such heading"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
