@@ -49,7 +49,7 @@ MODELS = {
     "mlp": {"global_batch": 64, "hidden": 256 if SMOKE_TEST else 2048},
 }
 
-#: What to time: name -> ``gst.averaging.make_averager`` arguments (``variant`` and its options);
+#: What to time: name -> ``gst.averaging.prepare`` arguments (``variant`` and its options);
 #: ``"hook"`` registers one of DDP's communication hooks by name (see :func:`build`).
 #: ``"variant": None`` does no averaging at all: the floor, what a step costs without
 #: communication (its replicas drift apart; only its time counts).
@@ -80,7 +80,7 @@ def build(model: nn.Module, spec: dict):
     variant, hook = options.pop("variant"), options.pop("hook", None)
     if variant is None:  # the floor: no communication at all
         return model, lambda: None
-    net, average = gst.averaging.make_averager(model, variant, **options)
+    net, average = gst.averaging.prepare(model, variant, **options)
     if hook is not None:
         net.register_comm_hook(None, hooks[hook])
     return net, average

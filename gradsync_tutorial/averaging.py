@@ -10,7 +10,7 @@ and *when*. In teaching order:
 4. :class:`OverlappedAverager` - a mini DDP: gradient hooks launch each bucket's call while
    backward is still running, and ``wait()`` collects them before ``optimizer.step()``.
 
-:func:`make_averager` gives all of them, and DDP itself, one shape for the training loop, and
+:func:`prepare` gives all of them, and DDP itself, one shape for the training loop, and
 :func:`ring_all_reduce` shows what one ``all_reduce`` does inside, with ``send``/``recv``.
 
 Inside a function run by ``gst.launch``:
@@ -21,7 +21,7 @@ Inside a function run by ``gst.launch``:
     ...     import torch.nn.functional as F
     ...     torch.manual_seed(0)                          # the same weights on every rank
     ...     model = gst.model.Net()
-    ...     net, average = gst.averaging.make_averager(model, variant)
+    ...     net, average = gst.averaging.prepare(model, variant)
     ...     x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
     ...     F.nll_loss(net(x), torch.zeros(8, dtype=torch.long)).backward()
     ...     average()                                     # every rank: the mean gradient
@@ -50,11 +50,11 @@ __all__ = [
     "OverlappedAverager",
     "average_per_parameter",
     "make_buckets",
-    "make_averager",
+    "prepare",
     "ring_all_reduce",
 ]
 
-#: The variant names :func:`make_averager` accepts, in teaching order.
+#: The variant names :func:`prepare` accepts, in teaching order.
 VARIANTS = ("per-parameter", "flat", "bucketed", "overlap", "ddp")
 
 
@@ -271,12 +271,12 @@ class OverlappedAverager:
 # --------------------------------------------------------------------------------------------
 
 
-def make_averager(
+def prepare(
     model: nn.Module, variant: str, *, bucket_cap_mb: float = 25.0, **ddp_options
 ) -> tuple[nn.Module, Callable[[], None]]:
     """Return ``(net, average)`` for one of :data:`VARIANTS`, so one loop runs them all::
 
-        net, average = make_averager(model, "flat")
+        net, average = prepare(model, "flat")
         loss = F.nll_loss(net(x), y)
         loss.backward()
         average()               # every rank now holds the mean gradient in model's .grad

@@ -54,10 +54,10 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # replicas stay identical. Nothing is "only local": the call is the communication.
 #
 # The modern spelling: `dist.ReduceOp.SUM` (not `reduce_op`), no `.data`, an integer world
-# size, and parameters without a gradient skipped:
+# size, and parameters without a gradient skipped (a deliberate lesson copy: the package keeps
+# the same loop as `gst.averaging.average_per_parameter`, and never asks you to use it instead):
 
 # %%
-# Deliberate lesson copy: the package's one is gst.averaging.average_per_parameter.
 def average_gradients(model):
     world_size = dist.get_world_size()
     for param in model.parameters():

@@ -57,10 +57,11 @@ print(f"DistributedSampler == order[rank::{WORLD_SIZE}] for every rank and epoch
 #
 # The loop of notebook 02 with three changes: the model is wrapped in `DDP`, the shard comes
 # from a `DistributedSampler`, and `average_gradients` is gone, since `backward()` now averages.
-# A flag keeps the manual path so we can compare the two in one function.
+# A flag keeps the manual path so we can compare the two in one function (notebook 02's
+# `average_gradients`, a deliberate lesson copy: the package's is
+# `gst.averaging.average_per_parameter`).
 
 # %%
-# Deliberate lesson copy: the package's one is gst.averaging.average_per_parameter.
 def average_gradients(model):  # notebook 02's version, for the comparison
     for param in model.parameters():
         if param.grad is not None:

@@ -279,12 +279,12 @@ assert probe["when backward() returns"] == probe["buckets"]
 # %% [markdown]
 # ## Every variant gives DDP's result
 #
-# The training loop of notebook 02, with the lines being taught changed: `gst.averaging.make_averager`
+# The training loop of notebook 02, with the lines being taught changed: `gst.averaging.prepare`
 # returns the module to call (`model` itself, or DDP's wrapper) and the averaging to run between
 # `backward()` and `step()` (nothing for DDP, which averages inside `backward()`).
 
 # %%
-show(gst.averaging.make_averager)
+show(gst.averaging.prepare)
 
 
 # %% tags=["training-loop"]
@@ -292,7 +292,7 @@ def train(rank, world_size, variant, epochs, options=None, comm_hook=None):
     torch.manual_seed(SEED)  # same seed on every rank: the replicas start identical
     device = gst.local_device()  # cuda:LOCAL_RANK with a GPU per rank, else the CPU
     model = gst.model.Net().to(device)
-    net, average = gst.averaging.make_averager(model, variant, **(options or {}))  # new
+    net, average = gst.averaging.prepare(model, variant, **(options or {}))  # new
     if comm_hook is not None:  # DDP only: replaces its all_reduce (see "DDP's knobs")
         net.register_comm_hook(None, comm_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)

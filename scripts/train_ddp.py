@@ -8,9 +8,9 @@
 Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) and
 ``scripts/train_ddp.py`` (DistributedDataParallel, notebook 03), run on CPUs (gloo) and on one GPU
 per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
-with no edits. Each stands alone, so ``diff scripts/train_manual.py scripts/train_ddp.py`` is
-exactly what DDP changes; copy either one into your own code. Notebook 06
-(notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
+with no edits. Each stands alone, a deliberate lesson copy of the other, so ``diff
+scripts/train_manual.py scripts/train_ddp.py`` is exactly what DDP changes (copy either). Notebook
+06 (notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
 same parameters as ``gst.launch``, and that a resumed run equals a straight one.
 
 What a rank does, in order:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.averaging import VARIANTS, Bucket, make_averager, make_buckets
+from gradsync_tutorial.averaging import VARIANTS, Bucket, make_buckets, prepare
 from gradsync_tutorial.model import Net
 
 from .conftest import REPO
@@ -38,7 +38,7 @@ def variants_vs_ddp(rank, world_size, steps, cap_mb):
     for variant in gst.averaging.VARIANTS:
         torch.manual_seed(0)
         model = gst.model.Net()
-        net, average = gst.averaging.make_averager(model, variant, bucket_cap_mb=cap_mb)
+        net, average = gst.averaging.prepare(model, variant, bucket_cap_mb=cap_mb)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         grads[variant] = []
         for step in range(steps):
@@ -211,7 +211,7 @@ def test_bucket_fill_unload_and_errors():
     with pytest.raises(RuntimeError, match="no gradient"):
         bucket.fill()
     with pytest.raises(ValueError, match="unknown variant 'fast'"):
-        make_averager(net, "fast")
+        prepare(net, "fast")
 
 
 def test_benchmark_runs_end_to_end_in_smoke_mode():
