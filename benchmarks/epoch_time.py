@@ -6,23 +6,21 @@
 It runs, in this process and with a world size of 1, one epoch of:
 
 * bare      - the floor: batches sliced in order from in-memory tensors, forward, backward, step;
-* nb01      - notebook 01's ``train_one_epoch`` (seeded shuffle, index, ``loss.item()``);
+* nb01      - notebook 01's ``train`` (seeded shuffle, index, ``loss.item()``);
 * nb02      - notebook 02's ``train`` (plus ``average_gradients``: one all_reduce per parameter);
 * nb03      - notebook 03's ``train`` with DDP and ``DistributedSampler``.
 
-The notebooks' code is read from the notebooks themselves (the cells tagged ``training-loop``
-and the ``average_gradients`` cell), so this measures exactly what a reader runs. Goal: each
+The notebooks' code is read from the notebooks themselves (``gst.notebooks.load_function``:
+their settings cell and their ``train``), so this measures the code a reader runs. Goal: each
 notebook loop within 1.1x of the bare loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,24 +28,7 @@ import torch.nn.functional as F
 
 import gradsync_tutorial as gst
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SMOKE = os.environ.get("SMOKE_TEST") == "1"
-
-
-def notebook_namespace(name: str, n_train: int | None) -> dict:
-    """Execute a notebook's set-up cell, its average_gradients cell and its training loop."""
-    cells = json.loads((NOTEBOOKS / name).read_text())["cells"]
-    code = [c for c in cells if c["cell_type"] == "code"]
-    wanted = [code[0]] + [
-        c for c in code[1:]
-        if "training-loop" in c["metadata"].get("tags", [])
-        or "def average_gradients" in "".join(c["source"])
-    ]
-    ns: dict = {}
-    for cell in wanted:
-        exec("".join(cell["source"]), ns)  # noqa: S102 - our own notebooks
-    ns["N_TRAIN"] = n_train
-    return ns
 
 
 def bare_epoch(images, labels, batch_size: int) -> None:
@@ -73,21 +54,18 @@ def main(argv=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    nb01 = notebook_namespace("01_single_device_baseline.ipynb", n_train)
-    nb02 = notebook_namespace("02_manual_allreduce_averaging.ipynb", n_train)
-    nb03 = notebook_namespace("03_distributed_data_parallel.ipynb", n_train)
-
-    def run_nb01():
-        torch.manual_seed(0)
-        model = gst.model.Net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
-        nb01["train_one_epoch"](model, opt, images, labels, 0, 256, "cpu")
+    load = gst.notebooks.load_function
+    nb01 = load("01_single_device_baseline", "train")
+    nb02 = load("02_manual_allreduce_averaging", "train", requires=["average_gradients"])
+    nb03 = load("03_distributed_data_parallel", "train")
+    for fn in (nb01, nb02, nb03):
+        fn.__globals__["N_TRAIN"] = n_train  # the notebooks' own setting follows SMOKE_TEST
 
     variants = {
         "bare": lambda: bare_epoch(images, labels, 256),
-        "nb01": run_nb01,
-        "nb02": lambda: nb02["train"](0, 1, 1),
-        "nb03": lambda: nb03["train"](0, 1, 1),
+        "nb01": lambda: nb01(1),
+        "nb02": lambda: nb02(0, 1, 1),
+        "nb03": lambda: nb03(0, 1, 1),
     }
     for fn in variants.values():  # warm-up: first calls pay for lazy initialization
         fn()

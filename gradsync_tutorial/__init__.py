@@ -28,7 +28,8 @@ _EXPORTS = {
     "RankFailedError": "launcher",
     "LaunchTimeoutError": "launcher",
 }
-_SUBMODULES = ("launcher", "data", "model", "checks", "plots", "detect", "averaging", "exercises")
+_SUBMODULES = ("launcher", "data", "model", "checks", "plots", "detect", "averaging", "exercises",
+               "notebooks")
 
 __all__ = sorted(set(_EXPORTS) | set(_SUBMODULES))
 

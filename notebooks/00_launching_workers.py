@@ -8,6 +8,9 @@
 # notebook we need a launcher that runs a function *defined in a cell* on N fresh processes,
 # shows what each one prints, and brings back what each one returns. This notebook shows why the
 # obvious tool fails, then the one this course uses: `gst.launch`.
+#
+# The words this course uses (rank, world size, process group, backend, collective, rendezvous,
+# bucket) are defined in the README's [glossary](../README.md#glossary).
 
 # %%
 import os

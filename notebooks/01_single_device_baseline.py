@@ -6,7 +6,8 @@
 # Before we split training across processes, we train once on a single device. This run is the
 # reference that every later notebook compares against: the same model, the same data order,
 # the same global batch of 256 samples per step, the same optimizer. If distributed training is
-# correct, it reproduces this run.
+# correct, it reproduces this run. (Words such as *rank* and *world size* are defined in the
+# [glossary](../README.md#glossary).)
 
 # %%
 import os
@@ -17,8 +18,8 @@ WORLD_SIZE = 2  # not used here: this notebook is the 1-process reference
 SEED = 1234
 GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
 LR, MOMENTUM = 0.01, 0.5  # the classic example's SGD settings
-EPOCHS = 2 if SMOKE_TEST else 3
-N_TRAIN = 8192 if SMOKE_TEST else None  # None: all 60,000 training images
+EPOCHS = 1 if SMOKE_TEST else 2
+N_TRAIN = 4096 if SMOKE_TEST else None  # None: all 60,000 training images
 
 import time
 
@@ -37,8 +38,7 @@ import gradsync_tutorial as gst
 # %%
 images, labels = gst.data.load(train=True)
 test_images, test_labels = gst.data.load(train=False)
-images, labels = images[:N_TRAIN], labels[:N_TRAIN]
-print(f"train {tuple(images.shape)}, test {tuple(test_images.shape)}, "
+print(f"train {tuple(images[:N_TRAIN].shape)}, test {tuple(test_images.shape)}, "
       f"classes {labels.unique().numel()}")
 
 # %% [markdown]
@@ -55,90 +55,86 @@ print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
 # %% [markdown]
 # ## The training loop
 #
-# One detail matters for what follows: the **data order** comes from a generator seeded with
+# Notebooks 02 and 03 keep this function's names and order, and change only the lines they
+# teach. One detail matters for them: the **data order** comes from a generator seeded with
 # `SEED + epoch`, so any process can recompute it. Each step takes the next 256 indices of that
 # order. (This is how `DistributedSampler` shuffles too, as notebook 03 shows.)
+#
+# Two switches are for comparing runs number by number in notebook 02: `dropout=False` turns
+# dropout's random masks off, `dtype=torch.float64` makes rounding errors a billion times
+# smaller. The lesson trains with the defaults.
 
 # %% tags=["training-loop"]
-def train_one_epoch(model, optimizer, images, labels, epoch, batch_size, device):
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED + epoch))
+def train(epochs, lr=LR, dropout=True, dtype=torch.float32):
+    torch.manual_seed(SEED)  # the initial weights, the same wherever this runs
+    device = gst.local_device()  # a GPU if there is one, else the CPU
+    model = gst.model.Net().to(device, dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    images, labels = images[:N_TRAIN], labels[:N_TRAIN]
+    batch_size = GLOBAL_BATCH
     losses = []
-    model.train()
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        x, y = images[idx].to(device), labels[idx].to(device)
-        optimizer.zero_grad()
-        loss = F.nll_loss(model(x), y)  # mean over the batch
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    for epoch in range(epochs):
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED + epoch))
+        model.train(dropout)  # train(False) = eval mode: dropout off
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            x, y = images[idx].to(device, dtype), labels[idx].to(device)
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(x), y)  # mean over the batch
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
 
 
 @torch.no_grad()
-def accuracy(model, images, labels, device, batch_size=1000):
-    model.eval()
-    correct = 0
-    for i in range(0, len(images), batch_size):
-        predicted = model(images[i : i + batch_size].to(device)).argmax(1).cpu()
-        correct += (predicted == labels[i : i + batch_size]).sum().item()
-    return correct / len(images)
+def accuracy(state, images, labels):
+    model = gst.model.Net()
+    model.load_state_dict(state)  # copied onto the CPU, as float32
+    return (model.eval()(images).argmax(1) == labels).float().mean().item()
 
 
 # %% [markdown]
 # Train on one device: a GPU if there is one, else the CPU.
 
 # %%
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-torch.manual_seed(SEED)  # the initial weights
-model = gst.model.Net().to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-
-baseline_losses = []
-for epoch in range(EPOCHS):
-    start = time.perf_counter()
-    baseline_losses += train_one_epoch(
-        model, optimizer, images, labels, epoch, GLOBAL_BATCH, device
-    )
-    seconds = time.perf_counter() - start
-    print(f"epoch {epoch}: last loss {baseline_losses[-1]:.3f}, {seconds:.1f} s on {device}")
-baseline_accuracy = accuracy(model, test_images, test_labels, device)
-print(f"test accuracy: {baseline_accuracy:.1%}")
+start = time.perf_counter()
+baseline = train(EPOCHS)
+seconds = time.perf_counter() - start
+baseline_accuracy = accuracy(baseline["state"], test_images, test_labels)
+print(f"{EPOCHS} epochs in {seconds:.1f} s on {gst.local_device()}: "
+      f"last loss {baseline['losses'][-1]:.3f}, test accuracy {baseline_accuracy:.1%}")
 
 # %% [markdown]
 # The loss falls, and the model beats chance (10 %) by far: over 50 % after the full lesson,
 # a lower bar in the short CI run.
 
 # %%
-steps_per_epoch = -(-len(images) // GLOBAL_BATCH)
-assert len(baseline_losses) == EPOCHS * steps_per_epoch
-first, last = sum(baseline_losses[:10]) / 10, sum(baseline_losses[-10:]) / 10
+losses = baseline["losses"]
+steps_per_epoch = -(-len(images[:N_TRAIN]) // GLOBAL_BATCH)
+assert len(losses) == EPOCHS * steps_per_epoch
+first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
 print(f"mean loss over the first 10 steps {first:.2f}, over the last 10 steps {last:.2f}")
 assert last < first
-assert baseline_accuracy > (0.2 if SMOKE_TEST else 0.5)
+assert baseline_accuracy > (0.12 if SMOKE_TEST else 0.5)  # CI: 16 steps, 15 %
 
 # %%
-fig = gst.plots.plot_loss_curves([], baseline=baseline_losses, title="Single-device baseline")
+fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device baseline")
 
 
 # %% [markdown]
 # ## Reproducible, so comparable
 #
-# The same seed gives the same run, step for step, on the CPU. That is what lets the next
-# notebooks compare a distributed run against this one number by number.
+# The same seed gives the same run, step for step. That is what lets the next notebooks compare
+# a distributed run against this one number by number. Train one epoch again: its losses are
+# the baseline's first epoch, bit for bit.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-def short_run(steps=5):
-    torch.manual_seed(SEED)
-    m = gst.model.Net()
-    opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)
-    n = steps * GLOBAL_BATCH
-    return train_one_epoch(m, opt, images[:n], labels[:n], 0, GLOBAL_BATCH, "cpu")
-
-run_a, run_b = short_run(), short_run()
-print("identical loss histories:", run_a == run_b)
-assert run_a == run_b
+again = train(1)
+print("identical loss histories over the first epoch:", again["losses"] == losses[:steps_per_epoch])
+assert again["losses"] == losses[:steps_per_epoch]
 
 
 # %% [markdown]

@@ -43,8 +43,8 @@ BACKTICKED = re.compile(r"`([^`\n]{12,})`")
 PENDING = {
     "paths": {"06_from_notebook_to_torchrun"},
     "internals": set(),
-    "booleans": {"01_single_device_baseline", "02_manual_allreduce_averaging",
-                 "03_distributed_data_parallel", "05_performance"},
+    "booleans": {"02_manual_allreduce_averaging", "03_distributed_data_parallel",
+                 "05_performance"},
     "figures": {"02_manual_allreduce_averaging", "03_distributed_data_parallel"},
 }
 

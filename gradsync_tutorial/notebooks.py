@@ -1,0 +1,137 @@
+"""The course's notebooks as code: diff one notebook's training loop against the previous one's,
+or run the previous notebook's function again, read from the notebook itself.
+
+Notebooks 01 -> 02 -> 03 keep the same names and the same loop, so that the lines that change
+*are* the lesson (as in pytorch/examples' ddp-tutorial-series). These helpers read the code from
+the committed notebooks, so a diff shown in a notebook cannot go stale:
+
+    >>> import gradsync_tutorial as gst
+    >>> old = gst.notebooks.function_source("01_single_device_baseline", "train")
+    >>> old.splitlines()[0]
+    'def train(epochs, lr=LR, dropout=True, dtype=torch.float32):'
+    >>> changes = gst.notebooks.show_diff(old, old)        # nothing changed
+    changed places: 0
+    >>> train_01 = gst.notebooks.load_function("01_single_device_baseline", "train")
+    >>> train_01.__name__
+    'train'
+
+Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import json
+import linecache
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["count_changes", "function_source", "load_function", "notebook_path", "show_diff"]
+
+
+def _notebooks_dir() -> Path:
+    """``<repo>/notebooks`` in a checkout of the course, else the current folder (a notebook's
+    kernel runs in the folder of the notebook)."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "notebooks").is_dir():
+        return repo / "notebooks"
+    return Path.cwd()
+
+
+def notebook_path(notebook: str) -> Path:
+    """The ``.ipynb`` file of a notebook named with or without its extension, e.g.
+    ``"01_single_device_baseline"``."""
+    name = notebook if notebook.endswith(".ipynb") else notebook + ".ipynb"
+    path = _notebooks_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"no notebook {name} in {path.parent}: run this from the course's "
+                                "notebooks/ folder, or pass a name such as "
+                                "'01_single_device_baseline'.")
+    return path
+
+
+def _code_cells(notebook: str) -> list[str]:
+    cells = json.loads(notebook_path(notebook).read_text(encoding="utf-8"))["cells"]
+    return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+
+
+def _defining_cell(notebook: str, name: str) -> tuple[str, ast.FunctionDef]:
+    for source in _code_cells(notebook):
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # IPython magics: not where the course defines functions
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                return source, node
+    raise LookupError(f"notebook {notebook} defines no function {name!r} at the top of a cell.")
+
+
+def function_source(notebook: str, name: str) -> str:
+    """The source of ``def name(...)`` as written in a notebook's cell (decorators included)."""
+    source, node = _defining_cell(notebook, name)
+    lines = source.splitlines()
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return "\n".join(lines[first - 1 : node.end_lineno]) + "\n"
+
+
+def load_function(notebook: str, name: str, requires: Sequence[str] = ()) -> Callable:
+    """Run a notebook's first code cell (its settings and imports), the definitions of the
+    functions it ``requires`` and the function's own, in a namespace of their own; return it.
+
+    So notebook 02 can run notebook 01's ``train`` as notebook 01 wrote it, with notebook 01's
+    settings. The function can be sent to ``gst.launch`` like one defined in a cell.
+    """
+    namespace: dict = {"__name__": f"notebook_{Path(notebook).stem}"}
+    setup = _code_cells(notebook)[0]
+    exec(compile(setup, f"<{notebook}: first cell>", "exec"), namespace)  # noqa: S102
+    for needed in [*requires, name]:
+        code = function_source(notebook, needed)
+        filename = f"<{notebook}: {needed}>"
+        # As IPython does for cells: tracebacks and inspect.getsource can then show the code.
+        linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+        exec(compile(code, filename, "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+def _source(code: str | Callable) -> str:
+    return code if isinstance(code, str) else inspect.getsource(code)
+
+
+def count_changes(old: str | Callable, new: str | Callable) -> int:
+    """How many separate places differ: runs of consecutive added, removed or changed lines."""
+    a, b = _source(old).splitlines(), _source(new).splitlines()
+    opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(tag != "equal" for tag, *_ in opcodes)
+
+
+def show_diff(
+    old: str | Callable,
+    new: str | Callable,
+    names: tuple[str, str] = ("before", "after"),
+    context: int = 1,
+) -> int:
+    """Print a unified diff (``-`` removed, ``+`` added) and how many places changed; return it.
+
+    ``old`` and ``new`` are source strings or functions (read with ``inspect.getsource``, which
+    also works for a function defined in a notebook cell).
+
+        >>> from gradsync_tutorial.notebooks import show_diff
+        >>> show_diff("x = 1\\ny = 2\\n", "x = 1\\ny = 3\\n", names=("a", "b"))
+        --- a
+        +++ b
+        @@ -1,2 +1,2 @@
+         x = 1
+        -y = 2
+        +y = 3
+        changed places: 1
+        1
+    """
+    a, b = _source(old).splitlines(), _source(new).splitlines()
+    for line in difflib.unified_diff(a, b, *names, n=context, lineterm=""):
+        print(line)
+    changes = count_changes(old, new)
+    print(f"changed places: {changes}")
+    return changes
