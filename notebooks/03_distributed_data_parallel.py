@@ -131,7 +131,6 @@ print("DDP's replicas are identical across ranks")
 fig = gst.plots.plot_loss_curves(
     [r["losses"] for r in ddp], baseline={"manual averaging, rank 0": manual[0]["losses"]},
     title=f"DDP on {WORLD_SIZE} ranks vs manual averaging",
-    save=None if SMOKE_TEST else "loss_curves_ddp.png",
 )
 
 # %% [markdown]

@@ -36,16 +36,15 @@ BACKTICKED = re.compile(r"`([^`\n]{12,})`")
 
 # Notebooks whose committed outputs predate the fix a test checks, waiting for their next full
 # re-execution (make notebooks NB=NN). Re-executing removes the exercise checks' bare False and
-# 04's launcher frames and temp paths. 02 and 03 also need `save=` dropped from their plot cell
+# 04's launcher frames and temp paths. 02 also needs `save=` dropped from its plot cell
 # (tagged image:NAME.png: `make images` copies its figure); 06 needs its torchrun() helper to
 # shorten this machine's folders (site-packages, sys.executable, the checkout, the temp folder)
 # in what torchrun printed. Strict: once a notebook passes, its test fails until its entry goes.
 PENDING = {
     "paths": {"06_from_notebook_to_torchrun"},
     "internals": set(),
-    "booleans": {"02_manual_allreduce_averaging", "03_distributed_data_parallel",
-                 "05_performance"},
-    "figures": {"02_manual_allreduce_averaging", "03_distributed_data_parallel"},
+    "booleans": {"02_manual_allreduce_averaging", "05_performance"},
+    "figures": {"02_manual_allreduce_averaging"},
 }
 
 
