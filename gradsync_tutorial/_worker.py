@@ -35,6 +35,7 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from gradsync_tutorial import _own_group
 from gradsync_tutorial._messages import Finished, Job, Raised, Ready, Teardown
 
 # Written on stdout and stderr after each job so the launcher knows it has every line. The
@@ -87,7 +88,6 @@ def _run_job(job: Job) -> Finished | Raised:
     """Run one job; return the message for the launcher. Never raises."""
     import cloudpickle
     import torch
-    import torch.distributed as dist
 
     try:
         _reset_globals()
@@ -100,15 +100,18 @@ def _run_job(job: Job) -> Finished | Raised:
         for filename, lines in job.sources.items():  # notebook cells: tracebacks show the line
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         torch.set_num_threads(job.num_threads)
-        fn, args = cloudpickle.loads(job.payload)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if job.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # init_method="env://": read MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, exactly as under
         # torchrun. The store it connects to is hosted by the launcher (the "agent" store).
-        dist.init_process_group(
-            job.backend, timeout=timedelta(seconds=job.collective_timeout)
-        )
+        _own_group.original()(job.backend, timeout=timedelta(seconds=job.collective_timeout))
+        # fn may call init_process_group itself, as torchrun scripts do: see _own_group.
+        # Before unpickling fn, so that its `from torch.distributed import init_process_group`
+        # finds this one too.
+        _own_group.install(rank, world_size, os.environ["MASTER_ADDR"],
+                           int(os.environ["MASTER_PORT"]))
+        fn, args = cloudpickle.loads(job.payload)
         result = fn(rank, world_size, *args)
     except SystemExit as exc:
         if exc.code not in (None, 0):

@@ -1,0 +1,95 @@
+"""When ``fn`` calls ``dist.init_process_group`` itself: the worker side of bring-your-own-group.
+
+PyTorch's tutorials and most torchrun scripts start with their own ``setup``::
+
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+while :func:`gradsync_tutorial.launch` has already initialized the default group (so that code
+written *for* the course runs under torchrun unchanged). Torch refuses a second
+``init_process_group``. So, for the duration of a job, a worker's ``init_process_group`` is
+this module's :func:`init_process_group`, which keeps torch's meaning:
+
+* the call's ``rank`` and ``world_size`` must match the launch, else a ``ValueError`` says
+  what to change;
+* the launcher's group is replaced by one made *with the call's own arguments* (backend,
+  timeout, device_id, ...), so the code runs as it would under torchrun or ``mp.spawn``;
+* the rendezvous goes through the launcher's store, not ``MASTER_PORT`` (12355 in the
+  tutorials, which two notebooks would fight over, and which nobody hosts here). An explicit
+  ``init_method="tcp://..."``/``"file://..."`` or ``store=`` is the caller's own choice and is
+  used as given.
+
+Its own ``dist.destroy_process_group()`` works as usual; a later ``init_process_group`` in the
+same job rendezvouses again through the launcher's store.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+_original = None  # torch's init_process_group
+_job: dict[str, Any] = {}  # this job's rank, world size and the launcher's store address
+
+
+def install(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Use :func:`init_process_group` for this job (call after the launcher's own init)."""
+    global _original
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if _original is None:
+        _original = distributed_c10d.init_process_group
+    _job.update(rank=rank, world_size=world_size, addr=master_addr, port=master_port)
+    _job["generation"] = itertools.count()  # every rank counts its re-initializations from 0
+    for namespace in (dist, distributed_c10d):
+        namespace.init_process_group = init_process_group
+
+
+def original():
+    """torch's own ``init_process_group`` (what the launcher itself calls)."""
+    from torch.distributed import distributed_c10d
+
+    return _original or distributed_c10d.init_process_group
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout=None, world_size: int = -1, rank: int = -1, store=None,
+                       **kwargs) -> None:
+    """``torch.distributed.init_process_group``, inside a :func:`gradsync_tutorial.launch`."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    launched_rank, launched_size = _job["rank"], _job["world_size"]
+    if world_size not in (-1, None) and world_size != launched_size:
+        raise ValueError(
+            f"init_process_group(world_size={world_size}) in a launch of {launched_size} "
+            f"ranks: launch it with gst.launch(fn, world_size={world_size}), or pass "
+            "world_size=int(os.environ['WORLD_SIZE']) (what torchrun scripts do) or the "
+            "world_size fn receives."
+        )
+    if rank not in (-1, None) and rank != launched_rank:
+        raise ValueError(
+            f"init_process_group(rank={rank}) on the process that gst.launch numbered rank "
+            f"{launched_rank}: pass the rank fn receives (its first argument) or "
+            "int(os.environ['RANK'])."
+        )
+    if init_method not in (None, "env://") or store is not None:
+        # The caller's own rendezvous: used as given (a hang there is reported with its address).
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        original()(backend, init_method, timeout, world_size, rank, store, **kwargs)
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()  # the launcher's group: replaced by one with these arguments
+    store = dist.PrefixStore(
+        f"gradsync/init/{next(_job['generation'])}",
+        dist.TCPStore(_job["addr"], _job["port"], is_master=False, **_timeout(timeout)),
+    )
+    original()(backend, timeout=timeout, world_size=launched_size, rank=launched_rank,
+               store=store, **kwargs)
+
+
+def _timeout(timeout) -> dict:
+    return {} if timeout is None else {"timeout": timeout}
