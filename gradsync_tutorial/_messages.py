@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The launcher's own variables for a worker (where to connect, its token): never passed on to
+# a job. Every other variable of the notebook's environment reaches the ranks (GRADSYNC_DATA...).
+PRIVATE_ENV = ("GRADSYNC_CONTROL", "GRADSYNC_TOKEN")
+
+
 # -- launcher -> worker ------------------------------------------------------------------------
 
 
@@ -59,6 +64,7 @@ class Finished:
 
     job_id: int
     result: bytes
+    collectives: int | None = None  # how many collective calls fn made
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,8 @@ class _JobState:
         self.results: dict[int, bytes] = {}
         self.failures: dict[int, Failure] = {}  # in the order they were noticed
         self.ready: set[int] = set()
-        self.stacks: dict[int, StackReport] = {}
+        self.stacks: dict[int, StackReport] = {}  # where each rank was, asked at a timeout
+        self.collectives: dict[int, int | None] = {}  # how many collectives a finished rank made
         self.marks: set = set()
         self.eofs: set = set()
         self.sent = False  # has the job been sent (the ranks are past start-up)?
@@ -402,6 +403,7 @@ class _JobState:
             return  # a late message from an earlier job
         if isinstance(message, Finished):
             self.results[rank] = message.result
+            self.collectives[rank] = message.collectives
         elif isinstance(message, Raised):
             self.fail(Failure(
                 rank, "raised", exc_type=message.exc_type, message=message.message,

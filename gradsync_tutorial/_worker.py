@@ -35,8 +35,8 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from gradsync_tutorial import _own_group
-from gradsync_tutorial._messages import Finished, Job, Raised, Ready, Teardown
+from gradsync_tutorial import _own_group, _where
+from gradsync_tutorial._messages import Finished, Job, Raised, Ready, StackRequest, Teardown
 
 # Written on stdout and stderr after each job so the launcher knows it has every line. The
 # launcher gives each worker the mark with a secret appended (GRADSYNC_END_MARK), so that no
@@ -84,11 +84,14 @@ def _end_of_job(job_id: int) -> None:
         original.flush()
 
 
-def _run_job(job: Job) -> Finished | Raised:
+def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     """Run one job; return the message for the launcher. Never raises."""
     import cloudpickle
     import torch
 
+    from gradsync_tutorial.detect import CollectiveCounter
+
+    counter = CollectiveCounter()
     try:
         _reset_globals()
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo a previous job's swap
@@ -112,7 +115,12 @@ def _run_job(job: Job) -> Finished | Raised:
         _own_group.install(rank, world_size, os.environ["MASTER_ADDR"],
                            int(os.environ["MASTER_PORT"]))
         fn, args = cloudpickle.loads(job.payload)
-        result = fn(rank, world_size, *args)
+        # Count the collectives fn enters: a hang report says how far each rank got.
+        counter = CollectiveCounter(fn, *args, keep_arguments=False)
+        with counter:
+            if channel is not None:
+                channel.counter = counter
+            result = fn(rank, world_size, *args)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             return _raised(job.job_id, exc)
@@ -123,7 +131,8 @@ def _run_job(job: Job) -> Finished | Raised:
     except BaseException as exc:  # noqa: BLE001 - the launcher re-raises it in the notebook
         return _raised(job.job_id, exc)
     try:
-        return Finished(job.job_id, _dumps_result(result))
+        result = _unwrap_ddp(result)
+        return Finished(job.job_id, _dumps_result(result), counter.total)
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
@@ -213,6 +222,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def _unwrap_ddp(result):
+    """A DistributedDataParallel model cannot be rebuilt where there is no process group (the
+    notebook): send the model it wraps, and say so."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(result, DistributedDataParallel):
+        return result
+    print("fn returned a DistributedDataParallel model: the notebook receives the model it "
+          "wraps (its .module). Return model.module.state_dict() to say so yourself.",
+          file=sys.stderr)
+    return result.module
+
+
 # What gloo and nccl say when the other end of a connection went away.
 _LOST_PEER = re.compile(
     r"connection (reset|closed) by peer|broken pipe|remote process exited|read error|"
@@ -279,6 +301,20 @@ def _connect() -> Connection:
     return Connection(sock.detach())
 
 
+class _Channel:
+    """The connection to the launcher, shared by the job's thread and the control thread."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.counter = None  # the job's CollectiveCounter while fn runs
+        self.job_thread = threading.get_ident()
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+
 def main() -> None:
     global _mark
     _die_with_parent()
@@ -289,13 +325,20 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     _remember_fresh_state()
-    conn = _connect()
+    channel = _Channel(_connect())
     inbox: queue.Queue = queue.Queue()
 
     def read_forever() -> None:
         try:
             while True:
-                inbox.put(conn.recv())
+                message = channel.conn.recv()
+                if isinstance(message, StackRequest):  # answered here: the job thread is busy
+                    counter = channel.counter
+                    channel.send(_where.stack_report(
+                        message.job_id, channel.job_thread,
+                        None if counter is None else counter.total))
+                else:
+                    inbox.put(message)
         except (EOFError, OSError):
             # The launcher closed the socket or died: never outlive it.
             os._exit(0)
@@ -305,15 +348,15 @@ def main() -> None:
     while True:
         message = inbox.get()
         if isinstance(message, Job):
-            reply = _run_job(message)
+            reply = _run_job(message, channel)
             _end_of_job(message.job_id)
-            conn.send(reply)
+            channel.send(reply)
         elif isinstance(message, Teardown):
             import torch.distributed as dist
 
             if dist.is_initialized():  # fn may have destroyed it itself, torchrun-style
                 dist.destroy_process_group()
-            conn.send(Ready(message.job_id))
+            channel.send(Ready(message.job_id))
 
 
 if __name__ == "__main__":

@@ -273,8 +273,9 @@ class CollectiveCounter:
     outer call.
     """
 
-    def __init__(self, *functions: Callable) -> None:
+    def __init__(self, *functions: Callable, keep_arguments: bool = True) -> None:
         self.functions = functions
+        self.keep_arguments = keep_arguments  # False: count only (a long run keeps no tensors)
         self.calls: Counter = Counter()
         self.arguments: dict[str, list[tuple[tuple, dict]]] = defaultdict(list)
         self._local = threading.local()  # .depth > 0: inside a counted call (or a DDP hook)
@@ -313,7 +314,8 @@ class CollectiveCounter:
             with self._inside() as outer:
                 if outer:
                     self.calls[name] += 1
-                    self.arguments[name].append((args, kwargs))
+                    if self.keep_arguments:
+                        self.arguments[name].append((args, kwargs))
                 return original(*args, **kwargs)
 
         return counted

@@ -132,7 +132,7 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
 
 
 def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: float,
-                   started: bool) -> LaunchTimeoutError:
+                   started: bool, where: str = "") -> LaunchTimeoutError:
     unfinished = [r for r in range(world_size) if r not in state.results]
     finished = [r for r in range(world_size) if r in state.results]
     if not started:
@@ -143,11 +143,16 @@ def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: f
             unfinished,
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
+    report = f"\nWhere each rank was:\n{_indent(where)}" if where else ""
     return LaunchTimeoutError(
         f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
-        f"All ranks were stopped. {HANG_HINT}",
-        unfinished,
+        f"All ranks were stopped.{report}\n{HANG_HINT}",
+        unfinished, where,
     )
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
 
 
 def _blame(failures: Sequence[Failure]) -> Failure:
@@ -191,12 +196,18 @@ def _rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailed
 def _hint(failure: Failure) -> str:
     """What to do about a few errors a learner meets when bringing code from elsewhere."""
     text = f"{failure.exc_type}: {failure.message}"
-    if re.search(r"\bCUDA\b|\bNVIDIA\b|\bnccl\b|\bNCCL\b|cuda:\d|\.cuda\(", text):
-        return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none for each "
-                "rank: put tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "
+    if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not _has_gpu():
+        return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none: put "
+                "tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "
                 "GPU per rank, else the CPU) instead of .cuda() or f'cuda:{rank}', and use "
                 "backend 'auto' (nccl with GPUs, gloo without), so the same code runs on both.")
     return ""
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _rebuild(pickled: bytes | None) -> BaseException | None:

@@ -86,7 +86,8 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._messages import Job, Teardown
+from . import _where
+from ._messages import PRIVATE_ENV, Job, StackRequest, Teardown
 from ._processes import _Deadline, _JobState, _Workers
 from ._wording import require_int
 from .launch_errors import (
@@ -98,6 +99,7 @@ from .launch_errors import (
     _rank_failed_error,
     _timeout_error,
 )
+from .launch_errors import _file_label as _cell_label
 
 __all__ = [
     "HANG_HINT",
@@ -203,7 +205,10 @@ def _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks,
             raise TypeError(
                 f"launch calls fn(rank, world_size, *args), but {name}{sig} cannot take "
                 f"{2 + len(args)} positional arguments ({e}). Define it as "
-                f"`def {name}(rank, world_size{', ...' if args else ''}):`."
+                f"`def {name}(rank, world_size{', ...' if args else ''}):`"
+                + (f", or, for a torchrun-style entry point that reads RANK and WORLD_SIZE "
+                   f"itself, launch `lambda rank, world_size: {name}()`."
+                   if _takes_no_arguments(sig) and not args else ".")
             ) from None
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} "
@@ -283,6 +288,11 @@ def _port_error(port, e: Exception) -> OSError:
     why = getattr(e, "strerror", None) or str(e)
     return OSError(f"master_port={port} is not free ({why}). Leave master_port=None and "
                    "launch picks a free port.")
+
+
+def _takes_no_arguments(sig: inspect.Signature) -> bool:
+    return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.KEYWORD_ONLY)
+               for p in sig.parameters.values())
 
 
 def _resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
@@ -499,7 +509,7 @@ def launch(
     try:
         workers.pump(state, time.monotonic() + startup, lambda: all(workers.conns))
         deadline = time.monotonic() + timeout  # the job's own time starts now
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSYNC_")}
+        base_env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
         for rank in range(world_size):
             env = dict(base_env, **_torchrun_env(rank, world_size, store.port, num_threads))
             workers.send(rank, Job(
@@ -517,10 +527,11 @@ def launch(
             workers.pump(state, time.monotonic() + max(timeout, TEARDOWN_SECONDS),
                          lambda: len(state.ready) == world_size)
     except _Deadline:
+        where = _where_each_rank_is(workers, state) if state.sent else ""
         workers.stop()
         workers.drain(state, lambda: True, 0)
         raise _shown_from_caller(_timeout_error(state, world_size, timeout, startup,
-                                                started=all(workers.conns))) from None
+                                                all(workers.conns), where)) from None
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
         workers.stop_despite_interrupts()
         raise
@@ -557,6 +568,17 @@ def _stop_after_failure(workers: _Workers, state: _JobState) -> RankFailedError:
     for rank, failure in state.failures.items():
         failure.stderr_tail = tuple(state.stderr_tail[rank])
     return _rank_failed_error(list(state.failures.values()), state.sent)
+
+
+def _where_each_rank_is(workers: _Workers, state: _JobState) -> str:
+    """At a timeout, before stopping the ranks: ask each for its stack, say who waits for whom."""
+    unfinished = [r for r in range(workers.world_size) if r not in state.results]
+    for rank in unfinished:
+        workers.send(rank, StackRequest(state.job_id))
+    workers.drain(state, lambda: all(r in state.stacks or r in state.results
+                                     for r in unfinished), _where.STACK_SECONDS)
+    finished = {r: state.collectives.get(r) for r in state.results}
+    return _where.describe(workers.world_size, state.stacks, finished, _cell_label)
 
 
 def _rebuild_results(state: _JobState, world_size: int) -> tuple[list, RankFailedError | None]:
