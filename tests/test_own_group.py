@@ -206,7 +206,7 @@ class ToyModel(nn.Module):
 
 
 def demo_basic():
-    torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"])) if False else None  # device edit
+    # device edit: torch.accelerator.set_device_index(int(os.environ["LOCAL_RANK"])) removed
     dist.init_process_group("gloo")  # device edit: the accelerator's backend
     rank = dist.get_rank()
     print(f"Start running basic DDP example on rank {rank}.")
@@ -318,7 +318,8 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         b_sz = len(next(iter(self.train_data))[0])
-        print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
+        print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | "
+              f"Steps: {len(self.train_data)}")
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
             self._run_batch(source, targets)
@@ -423,7 +424,8 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         b_sz = len(next(iter(self.train_data))[0])
-        print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {len(self.train_data)}")
+        print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | "
+              f"Steps: {len(self.train_data)}")
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
             self._run_batch(source, targets)
@@ -636,7 +638,8 @@ def _test_DistributedDataParallelIndividualParameters(rank, world_size, model_cl
 
 
 def _same(a, b, atol=0.0):
-    return len(a) == len(b) and all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
 
 
 def test_getting_started_demos_run_unchanged(tmp_path, capsys):
@@ -654,7 +657,7 @@ def test_getting_started_demos_run_unchanged(tmp_path, capsys):
         torch.nn.MSELoss()(out, torch.randn(20, 5)).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     expected = [p.detach() - 0.001 * (g0 + g1) / 2
-                for p, g0, g1 in zip(model.parameters(), *grads)]
+                for p, g0, g1 in zip(model.parameters(), *grads, strict=True)]
     assert _same(basic[0], expected, atol=1e-6)
     out = capsys.readouterr().out
     assert "[rank 1] Finished running basic DDP example on rank 1." in out
