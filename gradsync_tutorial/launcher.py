@@ -509,9 +509,8 @@ def launch(
     try:
         workers.pump(state, time.monotonic() + startup, lambda: all(workers.conns))
         deadline = time.monotonic() + timeout  # the job's own time starts now
-        base_env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
         for rank in range(world_size):
-            env = dict(base_env, **_torchrun_env(rank, world_size, store.port, num_threads))
+            env = _job_env(rank, world_size, store.port, num_threads)
             workers.send(rank, Job(
                 state.job_id, payload, env, os.getcwd(), list(sys.path), backend, device,
                 num_threads, collective_timeout=timeout + 30,  # our timeout reports it first
@@ -623,6 +622,13 @@ def _render_from_caller(error: BaseException) -> list[str]:
         shown = types.TracebackType(shown, tb.tb_frame, tb.tb_lasti, tb.tb_lineno)
     return get_ipython().InteractiveTB.structured_traceback(type(error), error, shown,
                                                             tb_offset=0)
+
+
+def _job_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
+    """The notebook's environment (``GRADSYNC_DATA`` and every other variable of the user's),
+    without the launcher's own control variables, plus torchrun's."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    return dict(env, **_torchrun_env(rank, world_size, port, num_threads))
 
 
 def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:

@@ -160,3 +160,101 @@ def test_a_cyclic_result_comes_back_or_names_the_rank():
         for rank, cycle in enumerate(results):
             assert cycle[0] == rank and cycle[1] is cycle
     assert gst.launch(lambda rank, ws: rank, 2) == [0, 1]
+
+
+# -- frictions met when bringing code from elsewhere (issue 13) -----------------------------
+
+
+def test_user_variables_reach_the_ranks_but_not_the_launchers_own(monkeypatch):
+    monkeypatch.setenv("GRADSYNC_DATA", "/srv/course-data")  # the README's offline recipe
+    monkeypatch.setenv("GRADSYNC_TOKEN", "not-for-the-job")
+
+    def fn(rank, world_size):
+        return os.environ.get("GRADSYNC_DATA"), os.environ.get("GRADSYNC_TOKEN")
+
+    assert gst.launch(fn, world_size=2) == [("/srv/course-data", None)] * 2
+
+
+def test_a_returned_ddp_model_arrives_unwrapped(capsys):
+    def fn(rank, world_size):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        return DDP(torch.nn.Linear(2, 1))
+
+    models = gst.launch(fn, world_size=2)
+    import torch
+
+    assert all(type(m) is torch.nn.Linear for m in models)
+    assert torch.equal(models[0].weight, models[1].weight)
+    assert "[rank 0] fn returned a DistributedDataParallel model" in capsys.readouterr().err
+
+
+def test_an_entry_point_without_rank_and_world_size_gets_the_lambda():
+    def main():
+        return 0
+
+    with pytest.raises(TypeError) as info:
+        gst.launch(main, world_size=2)
+    assert "launch `lambda rank, world_size: main()`" in str(info.value)
+    assert worker_pids() == []
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_only_code_on_a_cpu_machine_gets_a_hint():
+    def fn(rank, world_size):
+        import torch
+
+        return torch.ones(1).cuda(rank)
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    message = str(info.value)
+    assert "put tensors and models on gst.local_device()" in message
+    assert "backend 'auto'" in message
+
+
+def test_sys_exit_in_a_rank(capsys):
+    def clean(rank, world_size):
+        sys.exit()  # ends a torchrun process successfully
+
+    assert gst.launch(clean, world_size=2) == [None, None]
+    assert "[rank 1] fn called sys.exit(): counted as success" in capsys.readouterr().err
+
+    def failing(rank, world_size):
+        if rank == 1:
+            sys.exit(3)
+        return rank
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(failing, world_size=2)
+    assert str(info.value).startswith("rank 1 called sys.exit(3): exit code 3, which counts as "
+                                      "a failure")
+    assert info.value.failure.exit_code == 3
+
+
+def test_methods_of_a_class_from_a_notebook_cell_point_to_the_cell(capsys):
+    from .test_own_group import cell
+
+    ns = cell("""
+        import warnings
+
+        class Trainer:
+            def step(self, rank):
+                warnings.warn(f"learning rate too high on rank {rank}")
+                if rank == 1:
+                    raise ValueError("loss is NaN")
+
+        def train(rank, world_size):
+            Trainer().step(rank)
+    """)
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(ns["train"], world_size=2)
+    tb = info.value.traceback
+    assert "<dynamic-code>" not in tb
+    assert 'cell_' in tb and 'line 8, in step\n    raise ValueError("loss is NaN")' in tb
+    err = capsys.readouterr().err
+    assert "<dynamic-code>" not in err
+    assert ".py:6: UserWarning: learning rate too high on rank 0" in err
+    assert 'warnings.warn(f"learning rate too high on rank {rank}")' in err
