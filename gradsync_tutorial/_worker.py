@@ -269,12 +269,33 @@ def _safe_repr(obj: object) -> str:
         return "?"
 
 
+def _plumbing(frame: traceback.FrameSummary) -> bool:
+    """The launcher's wrappers around torch.distributed calls: not part of the reader's story."""
+    name = os.path.basename(frame.filename)
+    in_package = os.path.dirname(os.path.abspath(frame.filename)) == _PACKAGE
+    return in_package and (name == "_own_group.py" or (name == "detect.py"
+                                                        and frame.name == "counted"))
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(_own_group.__file__))
+
+
+def _hide_plumbing(shown: traceback.TracebackException, depth: int = 0) -> None:
+    shown.stack = traceback.StackSummary.from_list(
+        [f for f in shown.stack if not _plumbing(f)])
+    for chained in (shown.__cause__, shown.__context__):
+        if chained is not None and depth < 10:
+            _hide_plumbing(chained, depth + 1)
+
+
 def _raised(job_id: int, exc: BaseException) -> Raised:
     tb = exc.__traceback__
     if tb is not None and tb.tb_frame.f_code is _run_job.__code__ and tb.tb_next is not None:
         tb = tb.tb_next  # start the traceback at the user's code, not at this module
     try:
-        text_tb = "".join(traceback.format_exception(type(exc), exc, tb))
+        shown = traceback.TracebackException(type(exc), exc, tb)
+        _hide_plumbing(shown)
+        text_tb = "".join(shown.format())
     except Exception:  # noqa: BLE001 - a broken exception must not crash the worker
         text_tb = "".join(traceback.format_tb(tb)) + f"{type(exc).__qualname__}\n"
     text = _safe_str(exc)
