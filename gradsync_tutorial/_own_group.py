@@ -9,12 +9,14 @@ PyTorch's tutorials and most torchrun scripts start with their own ``setup``::
 while :func:`gradsync_tutorial.launch` has already initialized the default group (so that code
 written *for* the course runs under torchrun unchanged). Torch refuses a second
 ``init_process_group``. So, for the duration of a job, a worker's ``init_process_group`` is
-this module's :func:`init_process_group`, which keeps torch's meaning:
+this module's :func:`init_process_group`:
 
 * the call's ``rank`` and ``world_size`` must match the launch, else a ``ValueError`` says
   what to change;
-* the launcher's group is replaced by one made *with the call's own arguments* (backend,
-  timeout, device_id, ...), so the code runs as it would under torchrun or ``mp.spawn``;
+* a call that asks for the group the launcher made (the same backend, or none) is a no-op:
+  the group is already there, as under torchrun, where ``env://`` finds everything ready;
+* a call for another backend replaces the launcher's group by one made with the call's own
+  arguments;
 * the rendezvous goes through the launcher's store, not ``MASTER_PORT`` (12355 in the
   tutorials, which two notebooks would fight over, and which nobody hosts here). An explicit
   ``init_method="tcp://..."``/``"file://..."`` or ``store=`` is the caller's own choice and is
@@ -82,13 +84,21 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         original()(backend, init_method, timeout, world_size, rank, store, **kwargs)
         return
     if dist.is_initialized():
-        dist.destroy_process_group()  # the launcher's group: replaced by one with these arguments
+        if _same_backend(backend, dist.get_backend()):
+            return  # the launcher's group already is the one asked for
+        # Another backend: replace the launcher's group, once every rank has finished joining it.
+        dist.barrier()
+        dist.destroy_process_group()
     store = dist.PrefixStore(
         f"gradsync/init/{next(_job['generation'])}",
         dist.TCPStore(_job["addr"], _job["port"], is_master=False, **_timeout(timeout)),
     )
     original()(backend, timeout=timeout, world_size=launched_size, rank=launched_rank,
                store=store, **kwargs)
+
+
+def _same_backend(asked, current: str) -> bool:
+    return asked is None or str(asked).lower() == current.lower()
 
 
 def _timeout(timeout) -> dict:

@@ -238,7 +238,8 @@ def _unwrap_ddp(result):
 # What gloo and nccl say when the other end of a connection went away.
 _LOST_PEER = re.compile(
     r"connection (reset|closed) by peer|broken pipe|remote process exited|read error|"
-    r"connection refused|socket timeout", re.IGNORECASE,
+    r"connection refused|socket timeout|connection was likely closed|failed to recv",
+    re.IGNORECASE,
 )
 
 

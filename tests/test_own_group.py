@@ -769,3 +769,23 @@ def test_an_init_with_another_rank_says_what_to_change():
 
     with pytest.raises(RankFailedError, match=r"pass the rank fn receives"):
         gst.launch(fn, world_size=2)
+
+
+def test_an_init_for_another_backend_replaces_the_launchers_group():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        dist.init_process_group("cpu:gloo", rank=rank, world_size=world_size)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return dist.get_backend(), t.item()
+
+    assert gst.launch(fn, world_size=2) == [("cpu:gloo", 2.0)] * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_an_unedited_nccl_setup_on_a_cpu_machine_gets_the_device_hint():
+    ns = cell(GETTING_STARTED.replace('"gloo", rank=rank', '"nccl", rank=rank'))
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(ns["demo_basic"], world_size=2)
+    assert "NCCL" in str(info.value) and "gst.local_device()" in str(info.value)
