@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Iterable
 
 from ._messages import Frame, StackReport
+from ._wording import plural, ranks
 
 STACK_SECONDS = 1.0  # how long the launcher waits for the ranks' stacks at a timeout
 
@@ -83,9 +84,7 @@ def _ordinal(n: int) -> str:
 
 
 def _collectives(n: int | None) -> str:
-    if n is None:
-        return "an unknown number of collectives"
-    return f"{n} collective{'s' if n != 1 else ''}"
+    return "an unknown number of collectives" if n is None else plural(n, "collective")
 
 
 def _place(frame: Frame, label) -> str:
@@ -135,7 +134,7 @@ def _diagnosis(waiting: dict[int, tuple[str, int | None]], behind: dict[int, int
     out = []
     init_waits = list(init_waits)
     if init_waits:
-        out.append(f"{_who(init_waits)} never finished init_process_group: no process answers "
+        out.append(f"{ranks(init_waits)} never finished init_process_group: no process answers "
                    "at that rendezvous address, or not every rank joined it (each rank must "
                    "call init_process_group with the same address and world_size).")
     if not waiting:
@@ -149,7 +148,7 @@ def _diagnosis(waiting: dict[int, tuple[str, int | None]], behind: dict[int, int
         return out
     (name, n), = calls
     target = f"{name}, its {_ordinal(n)}" if n else name
-    waiters = _who(waiting)
+    waiters = ranks(waiting)
     for rank, count in behind.items():
         if count is None or n is None or count < n:
             verb = "has not reached" if count is None else "never reached"
@@ -159,8 +158,3 @@ def _diagnosis(waiting: dict[int, tuple[str, int | None]], behind: dict[int, int
         out.append(f"Every rank is waiting in {target}: check that they pass tensors of the same "
                    "shape and dtype; if the work is only slow, pass a larger timeout=.")
     return out
-
-
-def _who(ranks: Iterable[int]) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
