@@ -5,9 +5,10 @@
 # averaging gradients by hand?**
 #
 # Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP wraps
-# the model and does the same averaging *during* `backward()`, in a few large buckets. It also
-# **broadcasts rank 0's parameters when it is built**, so the replicas start equal even if the
-# ranks were seeded differently. This notebook checks both claims against notebook 02's code.
+# the model and does the same averaging *during* `backward()`, in a few large **buckets** (see the
+# [glossary](../README.md#glossary)). It also **broadcasts rank 0's parameters when it is built**,
+# so the replicas start equal even if the ranks were seeded differently. This notebook checks
+# both claims against notebook 02's own code.
 
 # %%
 import os
@@ -17,10 +18,11 @@ WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
 
 SEED = 1234
 GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
-LR, MOMENTUM = 0.01, 0.5
+LR, MOMENTUM = 0.01, 0.5  # the classic example's SGD settings
 EPOCHS = 1 if SMOKE_TEST else 2
 N_TRAIN = 4096 if SMOKE_TEST else None  # None: all 60,000 training images
 
+import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,12 +35,11 @@ import gradsync_tutorial as gst
 # ## `DistributedSampler` gives each rank the same shard as notebook 02
 #
 # Notebook 02 shuffled with a generator seeded `SEED + epoch` and gave rank `r` every N-th index,
-# `order[r::N]`. `DistributedSampler` does exactly that: its `set_epoch(epoch)` reseeds the shuffle
+# `order[r::N]`. `DistributedSampler` does the same: its `set_epoch(epoch)` reseeds the shuffle
 # with `seed + epoch`, identically on every rank. (Forget `set_epoch` and every epoch repeats the
 # same order: notebook 04.)
 
 # %%
-# NBVAL_CHECK_OUTPUT
 images, labels = gst.data.load(train=True)
 images, labels = images[:N_TRAIN], labels[:N_TRAIN]
 dataset = TensorDataset(images, labels)
@@ -51,168 +52,200 @@ for epoch in range(2):
         assert list(sampler) == order[rank::WORLD_SIZE].tolist()
 print(f"DistributedSampler == order[rank::{WORLD_SIZE}] for every rank and epoch")
 
-
 # %% [markdown]
-# ## The training loop with DDP
-#
-# The loop of notebook 02 with three changes: the model is wrapped in `DDP`, the shard comes
-# from a `DistributedSampler`, and `average_gradients` is gone, since `backward()` now averages.
-# A flag keeps the manual path so we can compare the two in one function (notebook 02's
-# `average_gradients`, a deliberate lesson copy: the package's is
-# `gst.averaging.average_per_parameter`).
+# One difference: when the dataset's size is not a multiple of N, `DistributedSampler` gives
+# every rank the same number of samples by **repeating** the first ones of the order (notebook
+# 02's `order[rank::N]` would give some ranks one sample fewer, and the ranks would then disagree
+# on the number of steps). Here with 3N + 1 samples, unshuffled so the indices are readable:
 
 # %%
-def average_gradients(model):  # notebook 02's version, for the comparison
-    for param in model.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # every rank receives the sum
-            param.grad /= dist.get_world_size()
+size = 3 * WORLD_SIZE + 1
+shards = [list(DistributedSampler(range(size), WORLD_SIZE, rank, shuffle=False))
+          for rank in range(WORLD_SIZE)]
+for rank, shard in enumerate(shards):
+    print(f"rank {rank}: {shard}")
+drawn = sorted(i for shard in shards for i in shard)
+repeated = [i for i in range(size) if drawn.count(i) > 1]
+print(f"{size} samples, {len(drawn)} drawn: repeated {repeated}")
+assert {len(shard) for shard in shards} == {-(-size // WORLD_SIZE)}  # ceil(size / N) each
+assert repeated == list(range(len(drawn) - size))  # the first ones, once more
+assert len(images) % WORLD_SIZE == 0  # the lesson's data: no repeats
 
+# %% [markdown]
+# (`drop_last=True` drops the extra samples instead of repeating some.)
+#
+# ## The training loop with DDP
+#
+# Notebook 02's `train`, read from notebook 02, against this one:
 
 # %% tags=["training-loop"]
-def train(rank, world_size, epochs, use_ddp=True, seed_per_rank=False):
-    torch.manual_seed(SEED + rank if seed_per_rank else SEED)  # seed_per_rank: a bug, on purpose
-    device = gst.local_device()  # cuda:LOCAL_RANK with a GPU per rank, else the CPU
-    model = gst.model.Net().to(device)
-    if use_ddp:
-        model = DDP(model)  # new: broadcasts rank 0's weights; averages gradients in backward()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+def train(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32):
+    torch.manual_seed(SEED)  # the initial weights, the same wherever this runs
+    device = gst.local_device()  # a GPU if there is one, else the CPU
+    model = gst.model.Net().to(device, dtype)
+    model = DDP(model)  # broadcasts rank 0's weights; averages gradients in backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=MOMENTUM)
     images, labels = gst.data.load(train=True)
     images, labels = images[:N_TRAIN], labels[:N_TRAIN]
-    dataset = TensorDataset(images, labels)
-    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=SEED)
+    sampler = DistributedSampler(TensorDataset(images, labels), world_size, rank, seed=SEED)
     batch_size = GLOBAL_BATCH // world_size  # each rank's share of the global batch
     losses = []
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)  # new: reshuffle, the same way on every rank
+        sampler.set_epoch(epoch)  # shuffles with SEED + epoch, the same way on every rank
         shard = torch.tensor(list(sampler))  # this rank's 1/N of the data
-        model.train()
+        model.train(dropout)  # train(False) = eval mode: dropout off
         for start in range(0, len(shard), batch_size):
             idx = shard[start : start + batch_size]
-            x, y = images[idx].to(device), labels[idx].to(device)
+            x, y = images[idx].to(device, dtype), labels[idx].to(device)
             optimizer.zero_grad()
-            loss = F.nll_loss(model(x), y)
-            loss.backward()  # with DDP, every rank holds the mean gradient after this line
-            if not use_ddp:
-                average_gradients(model)
+            loss = F.nll_loss(model(x), y)  # mean over the batch
+            loss.backward()
             optimizer.step()
             losses.append(loss.item())
-    plain = model.module if use_ddp else model  # DDP keeps the original model in .module
-    return {"losses": losses, "state": plain.state_dict()}
+    return {"losses": losses, "state": model.module.state_dict()}  # .module: the Net inside
 
 
 # %%
-ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, True))
-manual = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS, False))
+train_02 = gst.notebooks.load_function("02_manual_allreduce_averaging", "train",
+                                       requires=["average_gradients"])
+changes = gst.notebooks.show_diff(train_02, train, names=("02: train", "03: train"))
+assert changes == 6
+
+# %% [markdown]
+# Six places change, for three ideas: the model is wrapped in `DDP` (one line); the shard comes
+# from a `DistributedSampler` (two places: the sampler, and `set_epoch` in place of the shuffle);
+# the hand-written averaging is gone (the `average` argument and the `average(model)` call),
+# since `backward()` now averages. The last change reads the state dict from `model.module`,
+# the `Net` that DDP wraps.
+
+# %%
+ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
+manual = gst.launch(train_02, world_size=WORLD_SIZE, args=(EPOCHS,))
 
 # %% [markdown]
 # ## DDP = manual averaging
 #
 # Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging.
-# DDP scales each gradient by 1/N *before* summing (in buckets), while `average_gradients` sums,
-# then divides. With 2 ranks the two are even bit-identical: scaling by 1/2 is exact in floating
-# point, and a sum of two numbers does not depend on their order. With more ranks gloo adds the
-# ranks' values in a different order for one large bucket than for 8 separate tensors, so the last
-# bits can differ: hence the tolerance.
+# DDP scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums,
+# then divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is
+# exact in floating point, and a sum of two numbers does not depend on their order. With more
+# ranks, gloo adds the ranks' values in a different order for one large bucket than for 8
+# separate tensors, so the last bits can differ: hence the tolerance.
 
 # %%
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
 
 # %%
 steps = len(ddp[0]["losses"])
-print(f"after {steps} steps, max |DDP - manual| = {diff:.1e} (<= 1e-4: {diff <= 1e-4})")
+print(f"after {steps} steps, max |DDP - manual| = {diff:.2g} (<= 1e-4: {diff <= 1e-4})")
 assert diff <= 1e-4
-if WORLD_SIZE == 2:  # exact
+if WORLD_SIZE == 2:  # bit for bit
     assert diff == 0.0
 assert gst.checks.compare_ranks([r["state"] for r in ddp], show=False) == 0.0
 print("DDP's replicas are identical across ranks")
 
+# %% [markdown]
+# The two loss curves lie on top of each other, so the right panel draws their difference.
+
 # %% tags=["image:loss_curves_ddp.png"]
-fig = gst.plots.plot_loss_curves(
-    [r["losses"] for r in ddp], baseline={"manual averaging, rank 0": manual[0]["losses"]},
-    title=f"DDP on {WORLD_SIZE} ranks vs manual averaging",
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+gst.plots.plot_loss_curves(
+    {"DDP, rank 0": ddp[0]["losses"]},
+    baseline={"manual averaging (notebook 02), rank 0": manual[0]["losses"]},
+    title=f"DDP vs manual averaging, {WORLD_SIZE} ranks", ax=left,
 )
+gaps = [abs(a - b) for a, b in zip(ddp[0]["losses"], manual[0]["losses"], strict=True)]
+right.plot(gaps, color="C0", label="|DDP - manual|, rank 0's loss")
+right.set(xlabel="step", ylabel="absolute difference", title="DDP minus manual, step by step")
+right.legend()
+print(f"max |DDP - manual| over every step's loss: {max(gaps):.2g}")
+
+# %% [markdown]
+# ## Inside DDP: 1/N first, then one `all_reduce` per bucket
+#
+# DDP's default communication hook, `allreduce_hook`, divides each bucket by N and then calls
+# `all_reduce(SUM)`. Spelled out below as our own hook, with a record of what it sees. Each
+# rank's hook receives one bucket: all 21,840 gradients of this small model, flattened. If this
+# is what DDP does, registering it changes nothing, bit for bit.
+
+# %%
+def ddp_gradients(rank, world_size, batch, hook=None):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = DDP(gst.model.Net().to(device).eval())  # eval: dropout off
+    seen = []
+
+    def scale_then_sum(state, bucket):  # DDP's default hook, spelled out
+        buffer = bucket.buffer()  # this rank's gradients, flattened into one bucket
+        local = buffer.clone()
+        buffer.div_(dist.get_world_size())  # 1/N first...
+        seen.append({"local": local, "sent": buffer.clone()})
+        fut = dist.all_reduce(buffer, async_op=True).get_future()  # ...then the sum
+        return fut.then(lambda f: f.value()[0])
+
+    if hook:
+        model.register_comm_hook(None, scale_then_sum)
+    images, labels = gst.data.load(train=True)
+    idx = batch[rank::world_size]
+    F.nll_loss(model(images[idx].to(device)), labels[idx].to(device)).backward()
+    grads = {name: p.grad for name, p in model.module.named_parameters()}
+    return {"grads": grads, "buckets": seen}
+
+batch = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED))[:GLOBAL_BATCH]
+plain = gst.launch(ddp_gradients, world_size=WORLD_SIZE, args=(batch,))
+hooked = gst.launch(ddp_gradients, world_size=WORLD_SIZE, args=(batch, True))
+
+# %%
+same = gst.checks.compare_state_dicts(plain[0]["grads"], hooked[0]["grads"], show=False)
+buckets = hooked[0]["buckets"]
+sent = [r["buckets"][0]["sent"] for r in hooked]
+local = [r["buckets"][0]["local"] for r in hooked]
+scaled = max((s - loc / WORLD_SIZE).abs().max().item() for s, loc in zip(sent, local, strict=True))
+mean = torch.stack(local).mean(0)
+final = torch.cat([g.flatten() for g in hooked[0]["grads"].values()])
+print(f"buckets per step: {len(buckets)}, holding {buckets[0]['local'].numel()} gradients")
+print(f"max |what each rank sends - its gradient / {WORLD_SIZE}| = {scaled:.2g}")
+print(f"our hook vs DDP's default, max |gradient difference| = {same:.2g}")
+assert len(buckets) == 1 and buckets[0]["local"].numel() == 21840
+assert scaled == 0.0 and same == 0.0
+assert torch.allclose(final.sort().values, mean.sort().values, atol=1e-7)  # the mean, reordered
 
 # %% [markdown]
 # ## DDP broadcasts rank 0's weights at construction
 #
-# Now seed every rank differently, as happens when a script seeds with the rank or not at all.
-# Manual averaging keeps the replicas apart forever: each applies the same averaged update to
-# different weights. DDP copies rank 0's parameters to every rank when it is built, so the
-# replicas agree from the first step.
+# Now seed every rank differently, as happens when a script seeds with the rank or not at all
+# (notebook 02 measured how far apart that starts the replicas). `DDP(model)` copies rank 0's
+# parameters to every rank, so the replicas agree before the first step.
 
 # %%
-ddp_seeded = gst.launch(train, world_size=WORLD_SIZE, args=(1, True, True))
-manual_seeded = gst.launch(train, world_size=WORLD_SIZE, args=(1, False, True))
+def seeded_apart(rank, world_size):
+    torch.manual_seed(SEED + rank)  # a different seed on every rank: a bug, on purpose
+    model = gst.model.Net().to(gst.local_device())
+    before = gst.checks.max_diff_across_ranks(model)
+    model = DDP(model)  # broadcasts rank 0's parameters and buffers
+    return before, gst.checks.max_diff_across_ranks(model.module)
 
-# %%
-ddp_gap = gst.checks.compare_ranks([r["state"] for r in ddp_seeded], show=False)
-manual_gap = gst.checks.compare_ranks([r["state"] for r in manual_seeded], show=False)
-print("different seeds per rank, after one epoch: max difference between ranks")
-print(f"  DDP:    {ddp_gap:.1e}")
-print(f"  manual: {manual_gap:.1e}")
-assert ddp_gap == 0.0 and manual_gap > 1e-2
+before, after = gst.launch(seeded_apart, world_size=WORLD_SIZE)[0]
+print(f"max difference between ranks: before DDP(model) {before:.2g}, after {after:.2g}")
+assert before > 0.1 and after == 0.0
 
 
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/03_ddp.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`: DDP, the sampler and its `set_epoch`, the loop over a
-# `DataLoader` that deals each rank its shard, and a checkpoint written by rank 0 alone, then a
-# `dist.barrier()` (notebook 06 says why).
-#
-# <!-- snippets/03_ddp.py -->
 # ```python
-# """Notebook 03, copy this into your code: DistributedDataParallel, a sampler, a checkpoint.
-#
-#     torchrun --standalone --nproc-per-node 2 snippets/03_ddp.py
-# """
-#
-# import torch
-# import torch.distributed as dist
-# import torch.nn.functional as F
-# from torch import nn
-# from torch.nn.parallel import DistributedDataParallel as DDP
-# from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-#
-# SEED = 1234
-#
-#
-# def main():
-#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank, and device_ids=[local_rank]
-#     rank, world_size = dist.get_rank(), dist.get_world_size()
-#     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
-#                             torch.arange(512) % 3)
-#     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
-#
-#     model = DDP(nn.Linear(20, 3))  # after init_process_group: copies rank 0's weights to all
-#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
-#     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)
-#     for epoch in range(epochs):
-#         sampler.set_epoch(epoch)               # or every epoch repeats the same order
-#         for x, y in loader:
-#             optimizer.zero_grad()
-#             F.cross_entropy(model(x), y).backward()  # gradients are averaged across ranks here
-#             optimizer.step()
-#
-#     if rank == 0:                              # one file, written once
-#         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
-#     dist.barrier()                             # no rank reads it, or exits, before it is written
-#
-#     # Check: the file holds every rank's weights (the replicas are equal).
-#     saved = torch.load(path, map_location="cpu", weights_only=True)
-#     for name, p in model.module.state_dict().items():
-#         assert torch.equal(saved[name], p), name
-#     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint")
-#     dist.destroy_process_group()
-#
-#
-# if __name__ == "__main__":
-#     main()
+# model = DDP(model.to(device))          # after init_process_group; device_ids=[local_rank] on GPU
+# sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
+# for epoch in range(epochs):
+#     sampler.set_epoch(epoch)            # or every epoch repeats the same order
+#     for x, y in DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler):
+#         optimizer.zero_grad()
+#         loss_fn(model(x), y).backward()  # gradients are averaged across ranks here
+#         optimizer.step()
+# torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
 # ```
-#
+
+# %% [markdown]
 # ## Exercise
 #
 # DDP copies rank 0's weights to every rank when it is built. Do it by hand: write
@@ -221,10 +254,9 @@ assert ddp_gap == 0.0 and manual_gap > 1e-2
 # and every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter
 # itself (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each of 3 ranks from different random weights, calls your function and
-# compares the ranks. It prints "✓ correct", or fails with what is wrong; until you write the
-# function, it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a
-# new cell.
+# The check below starts each of 2 ranks from a different seed, calls your function and compares
+# the ranks. It prints "✓ correct", or fails with what is wrong; until you write the function,
+# it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a new cell.
 #
 # Then use it: call `broadcast_parameters(model)` in `train` right after the model is built, and
 # train with `use_ddp=False, seed_per_rank=True`: `gst.checks.compare_ranks` now finds identical

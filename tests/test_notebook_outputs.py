@@ -43,8 +43,8 @@ BACKTICKED = re.compile(r"`([^`\n]{12,})`")
 PENDING = {
     "paths": {"06_from_notebook_to_torchrun"},
     "internals": set(),
-    "booleans": {"02_manual_allreduce_averaging", "05_performance"},
-    "figures": {"02_manual_allreduce_averaging"},
+    "booleans": {"05_performance"},
+    "figures": set(),
 }
 
 
