@@ -525,6 +525,9 @@ def launch(
                 workers.send(rank, Teardown(state.job_id))
             workers.pump(state, time.monotonic() + max(timeout, TEARDOWN_SECONDS),
                          lambda: len(state.ready) == world_size)
+        if state.failures:  # in the job or its teardown. Stop every rank while the store is
+            # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
+            error = _stop_after_failure(workers, state)
     except _Deadline:
         where = _where_each_rank_is(workers, state) if state.sent else ""
         workers.stop()
@@ -538,7 +541,6 @@ def launch(
         del store  # closes the port
 
     if state.failures:
-        error = _stop_after_failure(workers, state)
         # from: the rank's exception, when it could be rebuilt
         raise _shown_from_caller(error) from error.__cause__
     _give_back(workers, reuse_workers)

@@ -489,3 +489,25 @@ def test_traceback_shows_source_lines_of_functions_passed_in_args():
     with pytest.raises(RankFailedError) as info:
         gst.launch(fn, world_size=2, args=(average,))
     assert "return sum(values) / len(values)" in info.value.traceback
+
+
+def test_ranks_are_stopped_before_the_rendezvous_store_closes(capsys):
+    """Found by the e2e suite: on a failure the launcher closed its store first, so a rank still
+    talking to it (joining the rendezvous, say) printed torch's "Connection was likely closed"
+    warning and a C++ stack dump into the cell before being stopped."""
+
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        if rank == 1:
+            raise ValueError("rank 1 fails at once")
+        store = dist.distributed_c10d._get_default_store()
+        while True:  # rank 0 keeps using the store until the launcher stops it
+            store.set("probe", "x")
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    assert info.value.rank == 1
+    out, err = capsys.readouterr()
+    assert "TCPStore" not in out + err and "Connection was likely closed" not in out + err
+    assert worker_pids() == []
