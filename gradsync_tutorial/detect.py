@@ -328,8 +328,10 @@ class CollectiveCounter:
         wrappers = {}
         for name in COUNTED_FUNCTIONS:
             original = getattr(distributed_c10d, name, getattr(dist, name, None))
-            if original is not None:
-                wrappers[id(original)] = self._wrap(name, original)
+            wrapper = self._wrap(name, original) if original is not None else None
+            while original is not None:  # another counter's wrapper (the launcher counts
+                wrappers[id(original)] = wrapper  # too), and the function it wraps, which a
+                original = getattr(original, "__wrapped__", None)  # module may hold itself
         namespaces = [vars(dist), vars(distributed_c10d)]
         self._undo = _swap_in(wrappers, namespaces, self.functions)
         return self

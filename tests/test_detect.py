@@ -221,3 +221,19 @@ def test_counter_refuses_nesting_itself():
     counter = gst.detect.count_collectives()
     with counter, pytest.raises(RuntimeError, match="already counting"):
         counter.__enter__()
+
+
+def test_a_counter_inside_another_counts_what_the_outer_one_did_not_swap():
+    """The launcher counts every job's collectives (for its hang report); an exercise check's
+    counter inside it must still count a name its function imported itself, which the outer
+    counter left pointing at torch's own all_reduce."""
+    from gradsync_tutorial.detect import CollectiveCounter
+
+    namespace = {"all_reduce": imported_all_reduce}  # `from torch.distributed import all_reduce`
+    exec("def average(t):\n    all_reduce(t)\n", namespace)
+    average = namespace["average"]
+    with CollectiveCounter() as outer, CollectiveCounter(average) as inner:
+        with pytest.raises((RuntimeError, ValueError)):  # no process group here: counted first
+            average(torch.ones(1))
+    assert inner["all_reduce"] == 1 and outer["all_reduce"] == 1
+    assert namespace["all_reduce"] is imported_all_reduce  # put back
