@@ -9,19 +9,21 @@
 # For each one it **measures the symptom**, shows a **check** you can drop into your own code, and
 # **proves the fix** with a cell that would fail if the fix did not work.
 #
-# | # | Bug | What you see |
+# | Pitfall | Bug | What you see |
 # |---|-----|--------------|
-# | 1 | all_reduce without dividing | the learning rate is N times larger |
-# | 2 | ranks start from different weights | the replicas never agree |
-# | 3 | every rank reads all the data | N ranks do the work of one |
-# | 4 | `DistributedSampler` without `set_epoch` | every epoch has the same order |
-# | 5 | unequal local batch sizes | mean of means ≠ global mean |
-# | 6 | ranks run different numbers of steps | a hang |
-# | 7 | a rank skips a collective | a hang |
-# | 8 | a parameter without a gradient | a crash (manual), an error (DDP) |
-# | 9 | BatchNorm statistics | the buffers drift apart |
-# | 10 | gradient accumulation | N times the communication |
-# | 11 | logging a rank's own loss | the curve of 1/N of the data |
+# | forgotten division | all_reduce without dividing | the learning rate is N times larger |
+# | different weights | ranks start from different weights | the replicas never agree |
+# | unsharded data | every rank reads all the data | N ranks do the work of one |
+# | no `set_epoch` | `DistributedSampler` without `set_epoch` | every epoch has the same order |
+# | mean of means | unequal local batch sizes | mean of means ≠ global mean |
+# | uneven steps | ranks run different numbers of steps | a hang |
+# | skipped collective | a rank skips a collective | a hang; in a loop, an error, a hang or wrong sums |
+# | unused parameter | a parameter without a gradient | manual: `AttributeError` in step 1's averaging; DDP: step 1 not averaged, then `RuntimeError` in step 2's forward |
+# | BatchNorm buffers | BatchNorm statistics | the buffers drift apart |
+# | accumulation | gradient accumulation | N times the communication |
+# | local loss | logging a rank's own loss | the curve of 1/N of the data |
+#
+# The text refers to each one by its name, as "the mean-of-means pitfall".
 
 # %%
 import os
@@ -36,6 +38,9 @@ EPOCHS = 1
 N_TRAIN = 2048 if SMOKE_TEST else 16384  # every bug shows within a few steps
 HANG_TIMEOUT = 5  # seconds; each reproduction takes well under one, so longer means a hang
 
+import statistics
+import time
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -43,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.join import Join
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -55,7 +61,7 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # ## The loop under test
 #
 # Notebook 02's `average_gradients` and its training loop, with a few switches that plant a bug
-# or apply a fix. Each switch changes one or two lines, marked with the number of its pitfall.
+# or apply a fix. Each switch changes one or two lines, marked with the name of its pitfall.
 # Every call to `train` also records, after each step, the largest difference between the
 # ranks' parameters (`gst.checks.max_diff_across_ranks`), and `log(loss)` decides what a step
 # logs: by default, this rank's own loss, as in notebook 02.
@@ -77,10 +83,10 @@ def local_loss(loss):
 
 def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sharding="slice",
           check_steps=False, log=local_loss):
-    torch.manual_seed(SEED + rank if seed_per_rank else SEED)  # 2: SEED + rank is the bug
+    torch.manual_seed(SEED + rank if seed_per_rank else SEED)  # different weights: the bug
     device = gst.local_device()
     model = gst.model.Net().to(device)
-    if broadcast:  # 2, the fix: every rank takes rank 0's weights
+    if broadcast:  # different weights, the fix: every rank takes rank 0's weights
         for param in model.parameters():
             dist.broadcast(param.data, src=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
@@ -90,13 +96,13 @@ def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sha
     logged, rank_diff = [], []
     for epoch in range(EPOCHS):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED + epoch))
-        shard = order[rank::world_size]  # 6: one sample more on some ranks if n % world_size
-        if sharding != "slice":  # 6, the fix: DistributedSampler pads or cuts to equal shards
+        shard = order[rank::world_size]  # uneven steps: one sample more on some ranks
+        if sharding != "slice":  # uneven steps, the fix: equal shards
             sampler = DistributedSampler(range(n), seed=SEED, drop_last=sharding == "drop_last")
             sampler.set_epoch(epoch)
             shard = torch.tensor(list(sampler))
         batches = shard.split(batch_size)
-        if check_steps:  # 6, the check: do all ranks take the same number of steps?
+        if check_steps:  # uneven steps, the check: do all ranks take the same number of steps?
             gst.detect.assert_ranks_agree_on(len(batches), "batches per epoch")
         model.train()
         for idx in batches:
@@ -106,7 +112,7 @@ def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sha
             loss.backward()
             average_gradients(model)
             optimizer.step()
-            logged.append(log(loss))  # 11: what gets logged
+            logged.append(log(loss))  # local loss: what gets logged
             rank_diff.append(gst.checks.max_diff_across_ranks(model))
     return {"logged": logged, "rank_diff": rank_diff, "state": model.state_dict()}
 
@@ -124,7 +130,7 @@ assert steps > 0 and all(d == 0.0 for r in correct for d in r["rank_diff"])
 
 
 # %% [markdown]
-# ## 1. Forgetting to divide
+# ## Forgotten division: all_reduce without dividing
 #
 # **Bug**: `dist.all_reduce(param.grad)` without `param.grad /= world_size`, the popular answer
 # to the tutorial's code. **Symptom**: every rank holds the *sum* of the gradients, N times their
@@ -157,11 +163,24 @@ print(f"|gradient without dividing| / |mean gradient| = {ratio:.4f} (world size 
 assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
 
 # %% [markdown]
-# **Detect**: compare one step with a single-process step on the same global batch, as notebook
-# 02 does. **Fix**: divide by `dist.get_world_size()`, or use DDP, which averages for you
-# (notebook 03).
+# **Detect**: compare with one process that takes the whole global batch, as notebook 02 does
+# for a training step: its gradient is the mean, and the sum is N times it.
+
+# %%
+images, labels = gst.data.load(train=True)
+torch.manual_seed(SEED)
+single = gst.model.Net().eval()
+F.nll_loss(single(images[:GLOBAL_BATCH]), labels[:GLOBAL_BATCH]).backward()
+single_grad = torch.cat([p.grad.flatten() for p in single.parameters()])
+to_single = {name: (g - single_grad).abs().max().item() for name, g in
+             [("mean", mean), ("sum", summed)]}
+print("max |distributed - one process|:", {k: f"{v:.1e}" for k, v in to_single.items()})
+assert to_single["mean"] <= 1e-6 < to_single["sum"]
+
+# %% [markdown]
+# **Fix**: divide by `dist.get_world_size()`, or use DDP, which averages for you (notebook 03).
 #
-# ## 2. Ranks start from different weights
+# ## Different weights: ranks start from different weights
 #
 # **Bug**: each rank seeds its generator differently (`torch.manual_seed(SEED + rank)`, often
 # written to vary dropout or augmentation across ranks), and nothing copies rank 0's weights to
@@ -191,9 +210,10 @@ fig = gst.plots.plot_loss_curves(
 
 
 # %% [markdown]
-# **Detect**: `gst.checks.assert_replicas_equal(model)` (notebook 02) compares every rank's
-# tensors with rank 0's and names the first one that differs. Call it once after building the
-# model, and after a step now and then; it raises on every rank, so no rank is left waiting.
+# **Detect**: notebook 02 compares the ranks' final parameters in the notebook
+# (`gst.checks.compare_ranks`). Inside the ranks, `gst.checks.assert_replicas_equal(model)`
+# compares every rank's tensors with rank 0's and names the first one that differs. Call it
+# once after building the model, and after a step now and then; it raises on every rank, so no rank is left waiting.
 
 # %%
 def first_weights(rank, world_size, fix=None):
@@ -228,15 +248,15 @@ print("both fixes pass the check; with the broadcast, every step: max difference
 
 
 # %% [markdown]
-# ## 3. Every rank reads all the data
+# ## Unsharded data: every rank reads all the data
 #
-# **Bug**: a `DataLoader(dataset, shuffle=True)` with no `DistributedSampler`. With pitfall 2
-# fixed by a common seed, every rank even shuffles **the same way**: each step's global batch is
+# **Bug**: a `DataLoader(dataset, shuffle=True)` with no `DistributedSampler`. With the
+# different-weights pitfall fixed by a common seed, every rank even shuffles **the same way**: each step's global batch is
 # N copies of the same samples.
 
 # %%
 def one_epoch(rank, world_size, use_sampler):
-    torch.manual_seed(SEED)  # the same seed on every rank (pitfall 2)
+    torch.manual_seed(SEED)  # the same seed on every rank (different weights)
     dataset = range(N_TRAIN)  # a stand-in data set: each sample is its own index
     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED) if use_sampler else None
     loader = DataLoader(dataset, GLOBAL_BATCH // world_size, shuffle=not use_sampler,
@@ -292,7 +312,7 @@ except gst.RankFailedError as err:
 # %% [markdown]
 # **Fix**: a `DistributedSampler` (shown above), or notebook 02's `order[rank::world_size]`.
 #
-# ## 4. `DistributedSampler` without `set_epoch`
+# ## No `set_epoch`: `DistributedSampler` without `set_epoch`
 #
 # **Bug**: the sampler's shuffle is seeded with `seed + epoch`, and only `set_epoch(epoch)`
 # changes its epoch. Forget it and every epoch repeats the first epoch's order.
@@ -331,7 +351,7 @@ print("  with set_epoch:   ", *[order[:4] for order in reshuffled[0]])
 # **Detect**: compare two epochs' indices, as above, in a test of your data pipeline.
 # **Fix**: call `sampler.set_epoch(epoch)` at the start of every epoch.
 #
-# ## 5. Unequal local batch sizes
+# ## Mean of means: unequal local batch sizes
 #
 # **Bug**: the ranks hold different numbers of samples in a step (an uneven last batch; ranks
 # that drop filtered samples; losses averaged over a varying number of tokens), each rank
@@ -408,10 +428,10 @@ assert errors(weighted[0])[0] <= 1e-5 and errors(weighted[0])[1] <= 1e-6  # the 
 # %% [markdown]
 # **Detect**: compare the distributed loss with a single-process computation on the same samples,
 # as here. Where your code assumes equal batches, guard it with
-# `gst.detect.assert_ranks_agree_on(len(idx), "batch size")` (pitfall 6 shows this check at
-# work).
+# `gst.detect.assert_ranks_agree_on(len(idx), "batch size")` (the uneven-steps pitfall shows
+# this check at work).
 #
-# ## 6. Ranks run different numbers of steps
+# ## Uneven steps: ranks run different numbers of steps
 #
 # **Bug**: notebook 02's `order[rank::world_size]` on a data set whose size is not a multiple of
 # the number of ranks. Take one sample more than 4 global batches: rank 0's shard gets the extra
@@ -428,8 +448,7 @@ assert batches_per_rank == [5] + [4] * (WORLD_SIZE - 1)
 # %% [markdown]
 # **Symptom**: in its fifth step, rank 0 calls `all_reduce` and waits for partners that have
 # already finished: the job hangs. `gst.launch(..., timeout=)` turns the hang into an error that
-# names the ranks that did not finish. (Under `torchrun` the process group's own timeout ends
-# the hang, by default after 10 minutes with NCCL and 30 with gloo.)
+# names the ranks that did not finish.
 
 # %%
 try:
@@ -437,6 +456,35 @@ try:
 except gst.LaunchTimeoutError as err:
     print(str(err)[:130], "...")
     assert err.unfinished == [0]
+
+# %% [markdown]
+# Without `gst.launch` (in a script under torchrun, say), what ends the hang is the **process
+# group's** timeout: every collective waits at most the `timeout` given to
+# `init_process_group(timeout=...)` (or `dist.new_group`), by default 30 minutes with gloo and 10
+# with NCCL. It belongs to the group, not to the launcher. A group with a 1-second timeout:
+
+# %%
+ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE  # NCCL, else gloo
+
+
+def hang_with_timeout(rank, world_size, seconds):
+    group = dist.new_group(timeout=timedelta(seconds=seconds))  # every rank creates it
+    if rank == 0:
+        dist.all_reduce(torch.ones(1, device=gst.local_device()), group=group)  # rank 0 alone
+    else:
+        time.sleep(seconds + 5)  # alive, but never joins the all_reduce
+    return "finished"
+
+
+print("default timeouts:", default_pg_timeout, "(gloo),", default_pg_nccl_timeout, "(NCCL)")
+try:
+    gst.launch(hang_with_timeout, WORLD_SIZE, args=(1,), timeout=60)
+except gst.RankFailedError as err:
+    timed_out = str(err)[str(err).find("Timed out"):].splitlines()[0]  # gloo's message
+    print(f"rank {err.rank} raised", timed_out if not ON_GPU else str(err).splitlines()[0])
+    assert err.rank == 0 and (ON_GPU or timed_out.startswith("Timed out waiting 1000ms"))
+else:
+    raise AssertionError("the group's timeout should have ended rank 0's all_reduce")
 
 # %% [markdown]
 # **Detect, before it hangs**: `gst.detect.assert_ranks_agree_on(len(batches), "batches per
@@ -495,7 +543,7 @@ assert all(r["rank_diff"] == 0.0 for r in joined)
 
 
 # %% [markdown]
-# ## 7. A rank skips a collective
+# ## Skipped collective: a rank skips a collective
 #
 # **Bug**: a collective inside a branch that not every rank takes, typically "only rank 0 logs".
 # Every rank must make the same collective calls, in the same order.
@@ -523,10 +571,80 @@ except gst.LaunchTimeoutError as err:
 
 # %% [markdown]
 # Inside a training loop the same bug fails differently: rank 0's extra `all_reduce` pairs with
-# the other ranks' *next* call, the gradient of the first parameter. Gloo then aborts ("Received
-# data size doesn't match expected size"); when the sizes happen to match, the ranks silently
-# exchange the wrong tensors. `gst.detect.count_collectives()` counts the calls each rank makes
-# through `dist.<name>`.
+# the other ranks' *next* call, the gradient of the first parameter. The sizes differ, and
+# depending on timing gloo aborts ("Received data size doesn't match expected size") or the
+# ranks hang:
+
+# %%
+def log_inside_the_loop(rank, world_size):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = gst.model.Net().to(device)
+    images, labels = gst.data.load(train=True)
+    idx = torch.arange(GLOBAL_BATCH)[rank::world_size]
+    loss = F.nll_loss(model(images[idx].to(device)), labels[idx].to(device))
+    loss.backward()
+    if rank == 0:
+        dist.all_reduce(loss.detach().clone())  # the bug: only rank 0 reduces its loss
+    average_gradients(model)
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+try:
+    gst.launch(log_inside_the_loop, WORLD_SIZE, timeout=HANG_TIMEOUT, show_ranks=[])  # quiet
+except (gst.RankFailedError, gst.LaunchTimeoutError) as err:
+    first_line = str(err).splitlines()[0]
+    print(type(err).__name__ + ":", first_line.split("] ")[-1][:200])  # without gloo's file path
+else:
+    raise AssertionError("an extra all_reduce on rank 0 should fail")
+
+# %% [markdown]
+# When the shapes happen to match, nothing fails at all: each rank adds whatever tensor the
+# others passed to the same call. Here a model with two layers of the same shape, and rank 1
+# averages them in the other order (as when a rank builds its list of parameters in its own
+# order, from a set or a dict):
+
+# %%
+def mismatched_order(rank, world_size, swap):
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)).to(gst.local_device())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))  # this rank's data
+    model(x.to(gst.local_device())).pow(2).mean().backward()
+    own = [p.grad.clone() for p in model.parameters()]  # before averaging
+    params = list(model.parameters())
+    if swap and rank == 1:
+        params = params[2:] + params[:2]  # the bug: rank 1 sends the second layer first
+    for param in params:
+        dist.all_reduce(param.grad)
+        param.grad /= world_size
+    return own, [p.grad for p in model.parameters()]
+
+
+def wrong_by(results):  # largest |gradient - true mean| on any rank; largest rank difference
+    owns, averaged = zip(*results, strict=True)  # per rank: its own gradients, the averaged ones
+    true_mean = [sum(grads) / len(owns) for grads in zip(*owns, strict=True)]
+    error = max((g - m).abs().max().item()
+                for avg in averaged for g, m in zip(avg, true_mean, strict=True))
+    ranks = max((a - b).abs().max().item()
+                for avg in averaged for a, b in zip(avg, averaged[0], strict=True))
+    return error, ranks
+
+
+# %%
+for swap in (False, True):
+    error, ranks = wrong_by(gst.launch(mismatched_order, WORLD_SIZE, args=(swap,)))
+    print(f"{'rank 1 swapped' if swap else 'same order':14}: no error; max |averaged - true mean| "
+          f"{error:.1e}, max difference between ranks {ranks:.1e}")
+    if swap:
+        assert min(error, ranks) > 1e-3  # wrong sums, and the replicas no longer agree
+    else:
+        assert error == ranks == 0.0
+
+# %% [markdown]
+# The replicas then drift apart, so `gst.checks.assert_replicas_equal(model)` after a step
+# (the different-weights pitfall) catches it; `gst.detect.count_collectives()` counts the calls
+# each rank makes through `dist.<name>`, for the case where their number differs.
 #
 # **Fix**: call the collective on every rank, and branch only around the printing. Counted, every
 # rank now makes the same calls:
@@ -546,7 +664,7 @@ assert results == [((WORLD_SIZE + 1) / 2, 1)] * WORLD_SIZE
 
 
 # %% [markdown]
-# ## 8. A parameter without a gradient
+# ## Unused parameter: a parameter without a gradient
 #
 # **Bug**: a module that does not take part in the loss: a head used only in another task, a
 # layer left over from an experiment. Its `.grad` stays `None` after `backward()`.
@@ -599,34 +717,47 @@ def train_unused(rank, world_size, mode, aux_ranks=(), steps=2):
 
 
 # %% [markdown]
-# **Symptom, manual averaging**: a crash on the first `None`.
-
-# %% tags=["raises-exception"]
-# NBVAL_RAISES_EXCEPTION
-gst.launch(train_unused, WORLD_SIZE, args=("tutorial",))
-
-# %% [markdown]
-# **Symptom, DDP**: after the first backward pass DDP still waits for the gradient of
-# `aux_head`; the second iteration fails. The message names the cause, the fix, and the indices
-# of the parameters that got no gradient (here 8 and 9, `aux_head`'s weight and bias):
+# **Symptom, manual averaging**: an `AttributeError` in the first step, when the tutorial's
+# `average_gradients` reaches the first `None` gradient:
 
 # %%
 try:
-    gst.launch(train_unused, WORLD_SIZE, args=("ddp",))
+    gst.launch(train_unused, WORLD_SIZE, args=("tutorial", (), 1))  # one step
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0])
+    assert "AttributeError: 'NoneType' object has no attribute 'data'" in str(err)
+else:
+    raise AssertionError("the tutorial's average_gradients should fail on a None gradient")
+
+# %% [markdown]
+# **Symptom, DDP**: after the first backward pass DDP still waits for the gradient of
+# `aux_head`, so the bucket that holds it is never reduced: step 1 runs without an error, but
+# with each rank's own gradients (the replicas differ after it). The forward pass of step 2
+# raises a `RuntimeError`, whose message names the cause, the fix, and the indices of the
+# parameters that got no gradient (here 8 and 9, `aux_head`'s weight and bias):
+
+# %%
+one_step = gst.launch(train_unused, WORLD_SIZE, args=("ddp", (), 1))
+print(f"DDP, after step 1: no error, max difference between ranks {one_step[0]['rank_diff']:.1e}")
+assert one_step[0]["rank_diff"] > 0  # step 1's gradients were not averaged
+try:
+    gst.launch(train_unused, WORLD_SIZE, args=("ddp",))  # 2 steps
 except gst.RankFailedError as err:
     message = str(err)
     print(message[: message.index("If you already")])
     print(next(line for line in message.splitlines() if line.startswith("Parameter indices")))
     assert "Expected to have finished reduction in the prior iteration" in message
     assert "find_unused_parameters=True" in message and "did not receive grad" in message
+else:
+    raise AssertionError("DDP should fail in the second step")
 
 # %% [markdown]
 # **Detect**: the errors above; or list the parameters whose `.grad` is still `None` after a
 # `backward()`, as `train_unused` returns them below.
 #
 # **Fix**: remove the unused module, or skip `None` gradients in manual code (notebook 02's
-# `average_gradients`), or pass `find_unused_parameters=True` to DDP (it then searches the
-# autograd graph in every iteration, which costs time). Both train, and the replicas agree:
+# `average_gradients`), or pass `find_unused_parameters=True` to DDP. Both train, and the
+# replicas agree:
 
 # %%
 skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
@@ -640,10 +771,44 @@ print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),"
 assert all(r["no_grad"] == ["aux_head.weight", "aux_head.bias"] for r in skip_none + find_unused)
 assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
 
+
+# %% [markdown]
+# `find_unused_parameters=True` is not free: after every forward pass DDP traverses the autograd
+# graph to find the parameters that will get no gradient. What it costs depends on the model;
+# here, with every parameter used, DDP's forward and backward with and without it, alternated
+# (finding no unused parameter, DDP warns about this very traversal):
+
+# %%
+def step_times(rank, world_size, steps):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    models = {flag: DDP(WithUnusedHead().to(device), find_unused_parameters=flag)
+              for flag in (False, True)}
+    x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, device=device)
+    y = torch.randint(10, (GLOBAL_BATCH // world_size,), device=device)
+    ms = {False: [], True: []}
+    for step in range(steps):
+        for flag in (False, True) if step % 2 else (True, False):  # alternate which goes first
+            dist.barrier()
+            start = time.perf_counter()
+            F.nll_loss(models[flag](x, use_aux=True), y).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            ms[flag].append((time.perf_counter() - start) * 1e3)
+    ratios = [with_ / without for without, with_ in zip(ms[False][2:], ms[True][2:], strict=True)]
+    return [statistics.median(x) for x in (ms[False][2:], ms[True][2:], ratios)]
+
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+without, with_flag, ratio = gst.launch(step_times, WORLD_SIZE, args=(10 if SMOKE_TEST else 40,))[0]
+print(f"DDP forward + backward, median: {without:.1f} ms; with find_unused_parameters=True "
+      f"{with_flag:.1f} ms; median ratio of paired steps {ratio:.2f}x")
+
 # %% [markdown]
 # Skipping `None` is right only if **every** rank skips the same parameters. If a branch depends
 # on the data, one rank may have a gradient where another has `None`; the ranks then make
-# different numbers of `all_reduce` calls (pitfall 7). For that case, replace a missing
+# different numbers of `all_reduce` calls (the skipped-collective pitfall). For that case, replace a missing
 # gradient with zeros so that every rank makes every call; DDP with
 # `find_unused_parameters=True` handles it by itself. Here only rank 0 uses `aux_head`:
 
@@ -666,7 +831,7 @@ assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
 
 # %% [markdown]
 #
-# ## 9. BatchNorm statistics drift apart
+# ## BatchNorm buffers: the statistics drift apart
 #
 # **Bug**: averaging gradients keeps the *parameters* equal, but `BatchNorm`'s running mean and
 # variance are *buffers*, updated in the forward pass from each rank's own batch. Nothing
@@ -750,7 +915,7 @@ else:
     print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
 
 # %% [markdown]
-# ## 10. Gradient accumulation: all-reducing every micro-batch
+# ## Accumulation: all-reducing every micro-batch
 #
 # To train with a global batch larger than fits in memory, each rank runs several micro-batches
 # and steps once. **Bug**: averaging after every micro-batch's `backward()` (or letting DDP do it,
@@ -811,12 +976,12 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 
 
 # %% [markdown]
-# ## 11. Logging a rank's own loss as the global loss
+# ## Local loss: logging a rank's own loss as the global loss
 #
 # **Bug**: `losses.append(loss.item())` on rank 0, plotted as "the training loss". It is the
 # loss of rank 0's 1/N of each batch, not of the batch. (Every run of `train` above logged
 # exactly this.) **Fix**: all-reduce a copy of the loss, on every rank, and divide (weighted by
-# the counts when the batches are uneven: pitfall 5). It is one more small collective per logged
+# the counts when the batches are uneven: the mean-of-means pitfall). It is one more small collective per logged
 # step, so log every few steps.
 
 # %%
@@ -857,13 +1022,13 @@ fig = gst.plots.plot_loss_curves(
 #
 # `snippets/04_pitfall_fixes.py` is a whole script, run by the course's tests with
 # `torchrun --standalone --nproc-per-node 2`, in plain torch: the three checks `gst.checks` and
-# `gst.detect` do here take a few lines each. The numbers are the pitfalls'. Its end is the DDP
-# form of pitfall 5's fix (DDP divides by the world size, so scale this rank's part by it),
-# checked against the loop's on uneven local batches.
+# `gst.detect` do here take a few lines each. The comments name the pitfalls. Its end is the DDP
+# form of the mean-of-means fix (DDP divides by the world size, so scale this rank's part by
+# it), checked against the loop's on uneven local batches.
 #
 # <!-- snippets/04_pitfall_fixes.py -->
 # ```python
-# """Notebook 04, copy this into your code: the training loop with every pitfall's fix (numbers).
+# """Notebook 04, copy this into your code: the training loop with every pitfall's fix, by name.
 #
 #     torchrun --standalone --nproc-per-node 2 snippets/04_pitfall_fixes.py
 # """
@@ -880,13 +1045,13 @@ fig = gst.plots.plot_loss_curves(
 # SEED = 1234
 #
 #
-# def assert_same_across_ranks(value, what):     # 6: a count every rank must agree on
+# def assert_same_across_ranks(value, what):     # uneven steps: a count all ranks must agree on
 #     everyone = [None] * dist.get_world_size()
 #     dist.all_gather_object(everyone, value)
 #     assert all(v == everyone[0] for v in everyone), f"{what} differ across ranks: {everyone}"
 #
 #
-# def assert_disjoint_shards(indices):          # 3: no sample read by two ranks
+# def assert_disjoint_shards(indices):          # unsharded data: no sample on two ranks
 #     everyone = [None] * dist.get_world_size()
 #     dist.all_gather_object(everyone, list(indices))
 #     seen = [i for shard in everyone for i in shard]
@@ -894,7 +1059,7 @@ fig = gst.plots.plot_loss_curves(
 #     assert repeats < dist.get_world_size(), f"{repeats} samples are on several ranks"
 #
 #
-# def assert_equal_replicas(model):             # 2, 9: every rank holds rank 0's weights
+# def assert_equal_replicas(model):             # different weights, BatchNorm buffers
 #     mine = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
 #     rank_0 = mine.clone()
 #     dist.broadcast(rank_0, src=0)
@@ -910,45 +1075,46 @@ fig = gst.plots.plot_loss_curves(
 #                             torch.arange(500) % 3)
 #     per_rank_batch, epochs = 32, 2
 #
-#     torch.manual_seed(SEED)                                # 2: the same seed on every rank...
+#     torch.manual_seed(SEED)                                # different weights: one seed...
 #     model = nn.Linear(20, 3)
 #     for p in model.parameters():
 #         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
-#     assert_equal_replicas(model)                           # 2, 9: now and then
+#     assert_equal_replicas(model)                           # different weights, BatchNorm
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 #
-#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # 3, 6: equal, disjoint shards
+#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # unsharded data, uneven steps
 #     loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
-#     assert_disjoint_shards(sampler)                        # 3
-#     assert_same_across_ranks(len(loader), "batches per epoch")  # 6
+#     assert_disjoint_shards(sampler)                        # unsharded data
+#     assert_same_across_ranks(len(loader), "batches per epoch")  # uneven steps
 #     for epoch in range(epochs):
-#         sampler.set_epoch(epoch)                           # 4
+#         sampler.set_epoch(epoch)                           # no set_epoch
 #         for step, (x, y) in enumerate(loader):
 #             loss_sum = F.cross_entropy(model(x), y, reduction="sum")
 #             totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
-#             dist.all_reduce(totals)                        # 5, 7, 11: on every rank
-#             (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
+#             dist.all_reduce(totals)                        # mean of means, local loss: every rank
+#             (loss_sum / totals[1]).backward()              # this rank's part of the global mean
 #             for p in model.parameters():
-#                 if p.grad is None:                         # 8 (zeros if the ranks may differ)
+#                 if p.grad is None:                         # unused parameter (or zeros)
 #                     continue
-#                 dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
+#                 dist.all_reduce(p.grad)                    # the parts sum to the global mean
 #             optimizer.step()
 #             optimizer.zero_grad()
 #             if rank == 0 and step % 10 == 0:
-#                 print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+#                 print(f"loss {totals[0] / totals[1]:.4f}")  # local loss: log the global one
 #     assert_equal_replicas(model)
 #
-#     # 5 with DDP: DDP divides the summed gradients by world_size, so scale this rank's part by
-#     # world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on odd ones.
+#     # Mean of means with DDP: DDP divides the summed gradients by world_size, so scale this
+#     # rank's part by world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on
+#     # odd ones.
 #     n = 8 - 3 * (rank % 2)
 #     x, y = dataset[rank * 8 : rank * 8 + n]
 #     ddp = DDP(copy.deepcopy(model))
 #     loss_sum = F.cross_entropy(ddp(x), y, reduction="sum")
 #     count = torch.tensor(float(len(y)))
 #     dist.all_reduce(count)
-#     (loss_sum * dist.get_world_size() / count).backward()  # 5, with DDP
+#     (loss_sum * dist.get_world_size() / count).backward()  # mean of means, with DDP
 #     loss_sum = F.cross_entropy(model(x), y, reduction="sum")
-#     (loss_sum / count).backward()                          # 5, by hand as above
+#     (loss_sum / count).backward()                          # mean of means, by hand
 #     for p in model.parameters():
 #         dist.all_reduce(p.grad)
 #     for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True):
@@ -961,21 +1127,24 @@ fig = gst.plots.plot_loss_curves(
 #     main()
 # ```
 #
-# With DDP: `DDP(model)` (2), `find_unused_parameters=True` only if needed (8),
-# `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (9), `with model.no_sync():` for all
-# but the last micro-batch (10), `with Join([model]):` for uneven inputs (6). Count what your
+# With DDP: `DDP(model)` (different weights), `find_unused_parameters=True` only if needed (unused
+# parameter),
+# `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (BatchNorm buffers), `with
+# model.no_sync():` for all but the last micro-batch (accumulation), `with Join([model]):` for
+# uneven inputs (uneven steps). Count what your
 # code communicates with `with gst.detect.count_collectives() as calls:` (and
 # `calls.watch(ddp_model)`).
 #
 # ## Exercise
 #
-# Write `global_mean_loss(losses)`, the number to log (pitfalls 5 and 11). `losses` holds this
+# Write `global_mean_loss(losses)`, the number to log (the mean-of-means and local-loss
+# pitfalls). `losses` holds this
 # rank's per-sample losses in a step (`F.nll_loss(..., reduction="none")`), and the ranks hold
 # different numbers of them. Return the mean over **all** the ranks' samples, as a float, the
 # same on every rank: reduce this rank's sum of the losses together with its count (one
 # `dist.all_reduce` on `torch.stack([...])` sends both), then divide once. Leave `losses` itself
 # alone (in training, `backward()` still needs it), and remember that every rank must call the
-# collective (pitfall 7).
+# collective (the skipped-collective pitfall).
 #
 # The check below runs it on 3 ranks holding 8, 3 and 9 samples (fresh random losses each time)
 # and compares what each rank returns with the mean over all 20. It prints "✓ correct", or fails with what is wrong (the mean of the
@@ -992,7 +1161,7 @@ def global_mean_loss(losses):
 gst.exercises.check_global_mean_loss(global_mean_loss)
 
 # %% [markdown]
-# **One more, not checked**: make pitfall 6 finish **without** a sampler and without DDP: in
+# **One more, not checked**: make the uneven-steps pitfall finish **without** a sampler and without DDP: in
 # `train`, before the loop, let the ranks agree on the smallest number of batches
 # (`dist.all_reduce(..., op=dist.ReduceOp.MIN)`) and have every rank stop there. Check with
 # `gst.launch(..., timeout=HANG_TIMEOUT)` on `n=N_UNEVEN` that it finishes, that every rank took

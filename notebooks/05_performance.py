@@ -7,9 +7,9 @@
 # Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP
 # gets the same numbers (notebook 03) in less time, because of three ideas:
 #
-# 1. **one call costs a fixed latency, whatever its size**, so send all gradients in *one* flat
-#    buffer instead of 8 (or hundreds of) small tensors;
-# 2. cut that buffer into **buckets** of about 25 MB, in the order backward produces gradients;
+# 1. **a call costs time of its own, besides the time its bytes take** (its latency), so send
+#    all gradients in *one* flat buffer instead of 8 (or hundreds of) small tensors;
+# 2. cut that buffer into **buckets** of about 25 MiB, in the order backward produces gradients;
 # 3. start each bucket's `all_reduce` **while backward is still running**, and wait for it just
 #    before `optimizer.step()`.
 #
@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from IPython.display import Code
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_tutorial as gst
 
@@ -53,9 +55,10 @@ def show(obj):
 # %% [markdown]
 # ## Where the time goes: latency, then bandwidth
 #
-# Time one `all_reduce` of n floats, for n from 1 to millions. A simple model of a collective
-# is *time = latency + bytes / bandwidth*: below some size the fixed cost dominates and the
-# time hardly depends on n.
+# Time one `all_reduce` of n floats, for n from 1 to millions. The usual model of a collective
+# is **time ≈ α + β · bytes**: α, the *latency*, is what a call costs whatever its size
+# (starting it, the ranks' messages finding each other); β is the time per byte, the inverse of
+# the bandwidth. Below some size α dominates, above it β · bytes does.
 
 # %%
 def time_all_reduce(rank, world_size, sizes):
@@ -84,32 +87,52 @@ ms = gst.launch(time_all_reduce, world_size=WORLD_SIZE, args=(SIZES,))[0]
 for n, t in ms.items():
     print(f"all_reduce of {n:>10,} floats ({4 * n / 1e6:9.6f} MB): {t:7.3f} ms")
 
+# %% [markdown]
+# α and β fitted to these times (least squares on the relative error, so that small and large
+# calls count alike), and how far each measurement is from the fitted model:
+
 # %%
-big = max(SIZES)
-print(f"10,000 floats take {ms[10_000] / ms[100]:.1f}x the time of 100 floats; "
-      f"{big:,} floats take {ms[big] / ms[100]:.0f}x")
+# NBVAL_IGNORE_OUTPUT
+t = torch.tensor(list(ms.values()), dtype=torch.float64)  # ms
+mb = 4 * torch.tensor(list(ms), dtype=torch.float64) / 1e6  # float32: 4 bytes; 1 MB = 1e6 bytes
+fit = torch.linalg.lstsq(torch.stack([1 / t, mb / t], dim=1), torch.ones(len(t), 1, dtype=t.dtype))
+alpha, beta = fit.solution.flatten().tolist()  # ms; ms per MB
+model_ms = alpha + beta * mb
+print(f"alpha = {alpha:.3f} ms, beta = {beta:.3f} ms per MB ({1 / beta:.2f} GB/s); "
+      f"alpha = beta x bytes at {alpha / beta * 1e6 / 4:,.0f} floats")
+for n, measured, modelled in zip(ms, t.tolist(), model_ms.tolist(), strict=True):
+    print(f"{n:>10,} floats: measured {measured:7.3f} ms, alpha + beta x bytes {modelled:7.3f} ms"
+          f"  (measured / model {measured / modelled:.2f})")
+print(f"from 1 to 10,000 floats: measured x{ms[10_000] / ms[1]:.1f}, "
+      f"model x{(alpha + beta * 0.04) / (alpha + beta * 4e-6):.2f}")
 
 # %% [markdown]
-# The course's CNN has 21,840 parameters in 8 tensors; the largest, `fc1.weight`, holds 16,000
-# floats. All of them sit on the flat, latency-bound part of the curve:
+# How to read it: the model is a first approximation. For large calls the time is β · bytes,
+# and measured / model is close to 1. For small calls it is rough: the measured time is not
+# one constant α but still changes with the size (the last line compares the growth from 1 to
+# 10,000 floats with the model's), and it varies from run to run on a shared machine. Either
+# way, below the crossover printed on the first line most of a call's time is not spent moving
+# bytes. The course's CNN has 21,840 parameters in 8 tensors; the largest, `fc1.weight`, holds
+# 16,000 floats:
 
 # %%
 net = gst.model.Net()
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.loglog(list(ms), list(ms.values()), "o-", label=f"one all_reduce, {WORLD_SIZE} ranks")
-for p in net.parameters():
-    ax.axvline(p.numel(), color="grey", lw=0.5)
+for i, p in enumerate(net.parameters()):
+    label = "the CNN's 8 tensors, one line each" if i == 0 else None
+    ax.axvline(p.numel(), color="grey", lw=0.5, label=label)
 ax.axvline(sum(p.numel() for p in net.parameters()), color="C1", label="CNN, all 8 tensors")
-ax.set(xlabel="floats per call", ylabel="ms per call",
-       title="all_reduce time vs size (grey: the CNN's tensors)")
+ax.loglog(list(ms), model_ms.tolist(), ":", color="C0", label="fitted alpha + beta x bytes")
+ax.set(xlabel="floats per call", ylabel="ms per call", title="all_reduce time vs size")
 ax.legend()
 plt.show()
 
 
 # %% [markdown]
-# So 8 calls cost about 8 latencies, and one call for all 8 tensors costs about one. Measured
-# on the CNN's own gradients, with notebook 02's loop and with one flat buffer (both defined
-# below):
+# What do 8 calls for the 8 tensors cost, against one call for all of them? On the CNN's own
+# gradients, with notebook 02's loop and with one flat buffer (both defined below): the calls
+# counted, the times measured alternately:
 
 # %%
 def time_averaging(rank, world_size, reps):
@@ -118,25 +141,29 @@ def time_averaging(rank, world_size, reps):
         p.grad = torch.randn_like(p)
     variants = {"per-parameter": lambda: gst.averaging.average_per_parameter(model),
                 "flat": gst.averaging.FlatAverager(model)}
+    calls = {}
+    for name, average in variants.items():  # once, counted
+        with gst.detect.count_collectives() as counter:
+            average()
+        calls[name] = counter.calls["all_reduce"]
     times = {name: [] for name in variants}
     for _ in range(reps):  # alternate the two, so that machine noise hits both alike
         for name, average in variants.items():
             start = time.perf_counter()
             average()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return calls, {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 # %%
 reps = 20 if SMOKE_TEST else 200
-averaging_ms = gst.launch(time_averaging, world_size=WORLD_SIZE, args=(reps,))[0]
+calls, averaging_ms = gst.launch(time_averaging, world_size=WORLD_SIZE, args=(reps,))[0]
 for name, t in averaging_ms.items():
-    print(f"{name:>13}: {t:.2f} ms per step")
-print(f"per-parameter / flat: {averaging_ms['per-parameter'] / averaging_ms['flat']:.1f}x")
+    print(f"{name:>13}: {calls[name]} all_reduce calls, {t:.2f} ms per step (median)")
+print(f"per-parameter / flat: {averaging_ms['per-parameter'] / averaging_ms['flat']:.1f}x the time")
 
 # %%
-assert averaging_ms["per-parameter"] > averaging_ms["flat"]  # 8 calls cost more than 1
-print("8 small calls take longer than one call with the same bytes")
+assert calls == {"per-parameter": 8, "flat": 1}  # the same bytes, in 8 calls or in 1
 
 # %% [markdown]
 # ## 1. Per parameter: notebook 02's loop
@@ -230,6 +257,62 @@ for i, bucket in enumerate(buckets):
 assert len(gst.averaging.make_buckets(net.parameters())) == 1  # default cap: one bucket
 assert [names[p] for p in buckets[0]] == ["fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]
 
+
+# %% [markdown]
+# DDP's own buckets follow this rule with two differences, which a communication hook (see
+# "DDP's knobs") lets us watch bucket by bucket:
+#
+# * in the **first iteration**, DDP puts every parameter in **one** bucket; after it, DDP
+#   **rebuilds** the buckets in the order the gradients really arrived, and keeps them;
+# * with `bucket_cap_mb` left at its default, the rebuilt **first bucket**, the gradients that
+#   arrive first, is capped at **1 MiB** (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so
+#   that communication starts early; the others at 25 MiB. Passing `bucket_cap_mb=25`
+#   explicitly caps every bucket at 25 MiB.
+#
+# On a stack of 30 layers whose weights take 1 MiB each:
+
+# %%
+def ddp_buckets(rank, world_size, bucket_cap_mb, iterations=3):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    layers = nn.Sequential(*[nn.Linear(512, 512) for _ in range(30)]).to(device)  # 30 x 1 MiB
+    ddp = DDP(layers) if bucket_cap_mb is None else DDP(layers, bucket_cap_mb=bucket_cap_mb)
+    sizes = []  # for each iteration, each bucket's MiB, in the order DDP reduces them
+
+    def record(process_group, bucket):  # a hook that notes the bucket, then all-reduces it
+        sizes[-1].append(bucket.buffer().numel() * bucket.buffer().element_size() / 2**20)
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    ddp.register_comm_hook(None, record)
+    x = torch.randn(8, 512, device=device)
+    for _ in range(iterations):
+        sizes.append([])
+        ddp(x).sum().backward()
+    return sizes
+
+
+# %%
+first_bucket = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20
+ddp_sizes = {cap: gst.launch(ddp_buckets, WORLD_SIZE, args=(cap,))[0] for cap in (None, 25)}
+for cap, sizes in ddp_sizes.items():
+    print(f"bucket_cap_mb={cap}:" if cap else "default:")
+    for i, iteration in enumerate(sizes, 1):
+        mib = ", ".join(f"{size:.2f}" for size in iteration)
+        print(f"  iteration {i}: {len(iteration)} bucket(s) of {mib} MiB")
+default, explicit = ddp_sizes[None], ddp_sizes[25]
+assert len(default[0]) == len(explicit[0]) == 1  # iteration 1: one bucket of everything
+assert default[1] == default[2] and explicit[1] == explicit[2]  # rebuilt once, then kept
+assert first_bucket == 1.0 and 1.0 <= default[1][0] < 1.01  # a first bucket of one layer
+assert [round(size) for size in default[1]] == [1, 25, 4]  # 1 layer, 25 layers, the last 4
+assert [round(size) for size in explicit[1]] == [25, 5]
+
+# %% [markdown]
+# A bucket closes as soon as it holds at least its cap, so each holds a little more (a bias or
+# a tensor larger than the cap). The rebuild is also why, with more than 2 ranks, a DDP run
+# resumed from a checkpoint can differ in the last bits from a run that never stopped
+# (notebook 06): its first iteration reduces one bucket where the straight run reduced the
+# rebuilt ones, so the sums are split differently.
+
 # %% [markdown]
 # ## 4. Overlap: a mini DDP
 #
@@ -240,8 +323,39 @@ assert [names[p] for p in buckets[0]] == ["fc2.bias", "fc2.weight", "fc1.bias", 
 # bucket's `all_reduce` with `async_op=True`, which returns at once with a handle. After
 # `loss.backward()`, `wait()` waits on the handles, divides, and copies the means back.
 #
-# One rule matters: every rank must issue the same collectives **in the same order**, so
-# buckets are launched in bucket order, never "whichever is ready first".
+# One rule matters: every rank must issue the same collectives **in the same order**. The
+# averager launches buckets strictly in bucket order, as DDP does: a full bucket waits until
+# the buckets before it are launched. Then the calls match even if the gradients arrived in
+# another order on some rank (a branch that depends on the data, say). Launching each gradient
+# the moment it is ready, as the exercise at the end does, is also safe, but only because
+# backward's order is fixed by the graph: the same model and code give the same order on every
+# rank, at every step:
+
+# %%
+def gradient_order(rank, world_size, steps=2):
+    torch.manual_seed(SEED)
+    model = gst.model.Net()
+    names = {p: name for name, p in model.named_parameters()}
+    order = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: order.append(names[p]))
+    images, labels = gst.data.load(train=True)
+    for step in range(steps):  # other samples on every rank and at every step
+        idx = torch.arange(64)[rank::world_size] + 64 * step
+        F.nll_loss(model(images[idx]), labels[idx]).backward()
+    return order
+
+
+orders = gst.launch(gradient_order, world_size=WORLD_SIZE)
+n_params = len(list(net.parameters()))
+print("the order in which gradients are ready:", orders[0][:n_params])
+assert all(order == orders[0] for order in orders)  # the same on every rank...
+assert orders[0][:n_params] == orders[0][n_params:]  # ...and at every step
+
+# %% [markdown]
+# (`conv2.weight`'s gradient is ready before `conv2.bias`'s, although `make_buckets` lists
+# them the other way round: backward's order is not exactly the reverse of the parameters'.
+# That is why DDP rebuilds its buckets from the order it observed.)
 
 # %%
 show(gst.averaging.OverlappedAverager)
@@ -338,12 +452,34 @@ for variant, results in runs.items():
     print(f"{variant:>13}: max |variant - DDP| = {vs_ddp:.1e}, "
           f"max difference between ranks = {between_ranks}")
     assert vs_ddp <= 1e-4 and between_ranks == 0.0
+    assert vs_ddp == 0.0 or WORLD_SIZE > 2  # bit-identical with 2 ranks
 
 # %% [markdown]
-# With 2 ranks (and 4) the parameters are usually bit-identical to DDP's; with other rank
-# counts, they may differ in the last bits, since floating-point sums depend on their order and
-# each variant's buffers lay the numbers out differently (see "Divide, then sum" below).
-#
+# With 2 ranks the parameters are bit-identical to DDP's: a sum of 2 numbers does not depend
+# on their order, and DDP's multiplication by 1/2 is exact (see "Divide, then sum" below). With
+# more ranks gloo adds the N numbers in an order that depends on where each one sits in the
+# buffer, and each variant lays the gradients out differently, so the last bits can differ
+# (notebook 03 finds the same for DDP against manual averaging). One `all_reduce` of the CNN's
+# gradients, per parameter and in one flat buffer, on 2, 3 and 4 ranks:
+
+# %%
+def per_parameter_vs_flat(rank, world_size):
+    torch.manual_seed(rank)  # each rank its own gradients
+    grads = [torch.randn_like(p, device=gst.local_device()) for p in gst.model.Net().parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    for g in grads:
+        dist.all_reduce(g)  # per parameter
+    dist.all_reduce(flat)  # one flat buffer
+    per_parameter = torch.cat([g.flatten() for g in grads])
+    return (per_parameter != flat).sum().item(), (per_parameter - flat).abs().max().item()
+
+
+for n in (2, 3, 4):
+    differ, largest = gst.launch(per_parameter_vs_flat, world_size=n)[0]
+    print(f"{n} ranks: {differ:,} of 21,840 sums differ in the last bits (max {largest:.1e})")
+    assert (differ == 0) if n == 2 else largest <= 1e-5
+
+# %% [markdown]
 # ## Measured: the step time of each variant against DDP's
 #
 # `benchmarks/averaging.py` times whole training steps (forward, backward, averaging, step) of

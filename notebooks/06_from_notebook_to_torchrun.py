@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync_tutorial as gst
 
@@ -209,19 +210,22 @@ assert diff <= TOL
 # ## Checkpoint and resume
 #
 # After every epoch, rank 0 saves a checkpoint and every rank waits at a barrier until the file
-# is complete (`save_checkpoint`). One copy is enough, since every rank holds the same model.
-# What must be in it, for a resumed run to be the run that never stopped:
+# is complete (`save_checkpoint`). One copy of the model and the optimizer is enough, since
+# every rank holds the same ones; the random generators are gathered from every rank
+# (`all_gather_object`), since each rank has its own. What must be in the file, for a resumed
+# run to be the run that never stopped:
 
 # %%
 WHY = {
     "model": "the Net's state dict (no DDP 'module.' prefix)",
     "optimizer": "SGD's momentum buffers: they carry the past steps into the next ones",
     "epochs_done": "where to go on: the data order is a function of seed + epoch",
-    "rng": "the random generators, which dropout draws from",
+    "rng": "every rank's random generators, which dropout draws from",
 }
 for key in checkpoint(straight):
     print(f"{key:12} {WHY[key]}")
 assert list(checkpoint(straight)) == list(WHY)
+assert len(checkpoint(straight)["rng"]) == WORLD_SIZE  # one state per rank
 
 # %% [markdown]
 # `--resume` continues from `--checkpoint` when the file exists, and starts from scratch when it
@@ -250,8 +254,8 @@ print(f"{EPOCHS} epochs straight vs 1, save, resume, {EPOCHS - 1}: max abs diffe
       f"{model_diff:.1e} in the parameters, {momentum_diff:.1e} in the momentum buffers")
 assert "no checkpoint at" in first.stdout and "resumed from" in second.stdout
 assert after_one["epochs_done"] == 1 and b["epochs_done"] == EPOCHS
-# More than 2 ranks: a resumed DDP's first step sums in its initial bucket order, a straight
-# run's in the rebuilt one, so the last bits may differ (a sum of 2 numbers has no order).
+# More than 2 ranks: a resumed DDP's first step sums in one bucket, a straight run's in the
+# rebuilt ones (notebook 05), so the last bits may differ (a sum of 2 numbers has no order).
 RESUME_TOL = TOL if WORLD_SIZE == 2 else max(TOL, 1e-4)
 assert model_diff <= RESUME_TOL and momentum_diff <= RESUME_TOL
 
@@ -263,8 +267,63 @@ assert model_diff <= RESUME_TOL and momentum_diff <= RESUME_TOL
 # %%
 torch.manual_seed(SEED)
 gst.model.Net()  # what every rank does before training: seed, then build the model
-assert not torch.equal(torch.get_rng_state(), after_one["rng"]["cpu"])
+assert not torch.equal(torch.get_rng_state(), after_one["rng"][0]["cpu"])
 print("the saved generator state is not the seeded one: re-seeding would replay epoch 1's dropout")
+
+# %% [markdown]
+# Why every rank's generator: the script seeds every rank alike, so here all ranks' generators
+# hold the same state, and rank 0's would do. But a script that seeds each rank differently
+# after building the model (`torch.manual_seed(SEED + rank)`, so that each rank draws its own
+# dropout masks) has a different state on every rank, and each rank must resume from its own.
+# That pattern with the script's `save_checkpoint` and `load_checkpoint`: 2 steps, save, 2 more
+# steps, against a restart from the file; then the same with every rank given rank 0's state,
+# which is what a checkpoint with rank 0's generator alone would do:
+
+# %%
+def resume_with_a_seed_per_rank(rank, world_size, path, restore):
+    device = gst.local_device()
+
+    def build():
+        torch.manual_seed(SEED)  # the same initial weights on every rank...
+        model = gst.model.Net().to(device)
+        torch.manual_seed(SEED + rank)  # ...then each rank draws its own dropout masks
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        return model, ddp_model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def steps(model, ddp_model, optimizer, numbers):  # training mode: dropout draws each step
+        images, labels = gst.data.load(train=True)
+        model.train()
+        for step in numbers:
+            idx = torch.arange(64)[rank::world_size] + 64 * step
+            optimizer.zero_grad()
+            F.nll_loss(ddp_model(images[idx].to(device)), labels[idx].to(device)).backward()
+            optimizer.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    model, ddp_model, optimizer = build()
+    steps(model, ddp_model, optimizer, range(2))
+    train_ddp.save_checkpoint(path, model, optimizer, 1, device)  # the script's own functions
+    straight = steps(model, ddp_model, optimizer, range(2, 4))
+    model, ddp_model, optimizer = build()  # a restart: seed, build, load
+    train_ddp.load_checkpoint(path, model, optimizer, device)
+    if restore == "rank 0's":
+        rank_0 = torch.load(path, weights_only=True)["rng"][0]
+        torch.set_rng_state(rank_0["cpu"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(rank_0["cuda"], device)
+    return (steps(model, ddp_model, optimizer, range(2, 4)) - straight).abs().max().item()
+
+
+# %%
+path = str(REPO / fresh("06_seed_per_rank.pt"))
+drift = {restore: gst.launch(resume_with_a_seed_per_rank, WORLD_SIZE, args=(path, restore))
+         for restore in ("its own", "rank 0's")}
+for restore, per_rank in drift.items():
+    print(f"each rank resumed with {restore} generator: max |resumed - straight| per rank",
+          [f"{d:.1e}" for d in per_rank])
+assert max(drift["its own"]) <= TOL  # exact on the CPU
+assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the averaged
+#                                       gradients every rank drifts
 
 # %% [markdown]
 # ## Many machines: one torchrun per machine
@@ -467,8 +526,9 @@ print("without @record, the summary has no traceback: the error is only in the w
 # * Each rank's data: `DistributedSampler(dataset, shuffle=True, seed=SEED)` and
 #   `sampler.set_epoch(epoch)` at the start of every epoch.
 # * Log from rank 0 only, a loss averaged across ranks (`all_reduce`, then divide).
-# * Checkpoint: rank 0 saves model, optimizer, epochs done and RNG state, then `dist.barrier()`;
-#   load with `torch.load(path, map_location="cpu")` on every rank.
+# * Checkpoint: rank 0 saves model, optimizer, epochs done and every rank's RNG state
+#   (`dist.all_gather_object`), then `dist.barrier()`; load with
+#   `torch.load(path, map_location="cpu")` on every rank, each taking its own RNG state.
 # * `scripts/train_ddp.py` also calls `gc.collect()` just before `destroy_process_group()`. Only
 #   needed when something `train` built (the DDP model) can outlive it in a reference cycle: there,
 #   importing torchvision inside `train` made one, the model was freed at exit after the group,
@@ -479,7 +539,8 @@ print("without @record, the summary has no traceback: the error is only in the w
 # Write `save_checkpoint(path, model, optimizer, epochs_done)` from what this notebook showed,
 # without looking at the script: after it, a run that restarts (seeds, builds the model and the
 # optimizer, loads the file) must be exactly the run that never stopped. Every rank calls it;
-# `model` is the Net inside DDP, as in the script, and `optimizer` SGD with momentum. Think of
+# `model` is the DDP wrapper, as in the script (the Net is `model.module`), and `optimizer` SGD
+# with momentum. Think of
 # what the file needs (the list under "Checkpoint and resume"), of which rank writes it, and of
 # when the other ranks may go on.
 #

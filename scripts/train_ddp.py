@@ -109,19 +109,25 @@ def log(message: str) -> None:
 
 
 def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch.device) -> None:
-    """Rank 0 writes the file; the barrier holds every rank until it is complete.
+    """Rank 0 writes the file, with every rank's RNG state; the barrier holds every rank until
+    it is complete.
 
     Every rank holds the same model and optimizer state, so one copy is enough. The RNG state
     is saved because dropout draws random numbers: a resumed run must draw the ones the straight
-    run would have drawn. The data order needs nothing: it is a function of seed and epoch.
+    run would have drawn. It is saved for every rank: here every rank seeds alike, but a script
+    that seeds each rank differently (other dropout masks on each) has other states on each.
+    The data order needs nothing: it is a function of seed and epoch.
     """
+    rng = {"cpu": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng)  # every rank's generators, in rank order
     if dist.get_rank() == 0:
         checkpoint = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),  # SGD's momentum buffers
             "epochs_done": epochs_done,
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+            "rng": rngs,  # rngs[r]: rank r's
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(checkpoint, f"{path}.tmp")
@@ -136,9 +142,14 @@ def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    torch.set_rng_state(checkpoint["rng"]["cpu"])
-    if device.type == "cuda" and checkpoint["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], device)
+    rngs = checkpoint["rng"]
+    if len(rngs) != dist.get_world_size():  # resumed on another number of ranks: not exact
+        log(f"{path} was saved by {len(rngs)} ranks, resumed on {dist.get_world_size()}: "
+            "random draws (dropout) differ from a run that never stopped")
+    rng = rngs[dist.get_rank() % len(rngs)]  # this rank's own generators
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
     return checkpoint["epochs_done"]
 
 

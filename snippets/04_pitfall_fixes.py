@@ -1,4 +1,4 @@
-"""Notebook 04, copy this into your code: the training loop with every pitfall's fix (numbers).
+"""Notebook 04, copy this into your code: the training loop with every pitfall's fix, by name.
 
     torchrun --standalone --nproc-per-node 2 snippets/04_pitfall_fixes.py
 """
@@ -15,13 +15,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 SEED = 1234
 
 
-def assert_same_across_ranks(value, what):     # 6: a count every rank must agree on
+def assert_same_across_ranks(value, what):     # uneven steps: a count all ranks must agree on
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
     assert all(v == everyone[0] for v in everyone), f"{what} differ across ranks: {everyone}"
 
 
-def assert_disjoint_shards(indices):          # 3: no sample read by two ranks
+def assert_disjoint_shards(indices):          # unsharded data: no sample on two ranks
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, list(indices))
     seen = [i for shard in everyone for i in shard]
@@ -29,7 +29,7 @@ def assert_disjoint_shards(indices):          # 3: no sample read by two ranks
     assert repeats < dist.get_world_size(), f"{repeats} samples are on several ranks"
 
 
-def assert_equal_replicas(model):             # 2, 9: every rank holds rank 0's weights
+def assert_equal_replicas(model):             # different weights, BatchNorm buffers
     mine = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
     rank_0 = mine.clone()
     dist.broadcast(rank_0, src=0)
@@ -45,45 +45,46 @@ def main():
                             torch.arange(500) % 3)
     per_rank_batch, epochs = 32, 2
 
-    torch.manual_seed(SEED)                                # 2: the same seed on every rank...
+    torch.manual_seed(SEED)                                # different weights: one seed...
     model = nn.Linear(20, 3)
     for p in model.parameters():
         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
-    assert_equal_replicas(model)                           # 2, 9: now and then
+    assert_equal_replicas(model)                           # different weights, BatchNorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # 3, 6: equal, disjoint shards
+    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # unsharded data, uneven steps
     loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
-    assert_disjoint_shards(sampler)                        # 3
-    assert_same_across_ranks(len(loader), "batches per epoch")  # 6
+    assert_disjoint_shards(sampler)                        # unsharded data
+    assert_same_across_ranks(len(loader), "batches per epoch")  # uneven steps
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)                           # 4
+        sampler.set_epoch(epoch)                           # no set_epoch
         for step, (x, y) in enumerate(loader):
             loss_sum = F.cross_entropy(model(x), y, reduction="sum")
             totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
-            dist.all_reduce(totals)                        # 5, 7, 11: on every rank
-            (loss_sum / totals[1]).backward()              # 5: this rank's part of the global mean
+            dist.all_reduce(totals)                        # mean of means, local loss: every rank
+            (loss_sum / totals[1]).backward()              # this rank's part of the global mean
             for p in model.parameters():
-                if p.grad is None:                         # 8 (zeros if the ranks may differ)
+                if p.grad is None:                         # unused parameter (or zeros)
                     continue
-                dist.all_reduce(p.grad)                    # 1, 5: the parts sum to the mean
+                dist.all_reduce(p.grad)                    # the parts sum to the global mean
             optimizer.step()
             optimizer.zero_grad()
             if rank == 0 and step % 10 == 0:
-                print(f"loss {totals[0] / totals[1]:.4f}")  # 11: the global loss
+                print(f"loss {totals[0] / totals[1]:.4f}")  # local loss: log the global one
     assert_equal_replicas(model)
 
-    # 5 with DDP: DDP divides the summed gradients by world_size, so scale this rank's part by
-    # world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on odd ones.
+    # Mean of means with DDP: DDP divides the summed gradients by world_size, so scale this
+    # rank's part by world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on
+    # odd ones.
     n = 8 - 3 * (rank % 2)
     x, y = dataset[rank * 8 : rank * 8 + n]
     ddp = DDP(copy.deepcopy(model))
     loss_sum = F.cross_entropy(ddp(x), y, reduction="sum")
     count = torch.tensor(float(len(y)))
     dist.all_reduce(count)
-    (loss_sum * dist.get_world_size() / count).backward()  # 5, with DDP
+    (loss_sum * dist.get_world_size() / count).backward()  # mean of means, with DDP
     loss_sum = F.cross_entropy(model(x), y, reduction="sum")
-    (loss_sum / count).backward()                          # 5, by hand as above
+    (loss_sum / count).backward()                          # mean of means, by hand
     for p in model.parameters():
         dist.all_reduce(p.grad)
     for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True):

@@ -403,7 +403,7 @@ def _mean_loss(mistake=None):
 @pytest.mark.parametrize("mistake, message", [
     ("mean of means", r"every rank returned .*; the mean over all 20 samples is .* Yours is the "
                       r"mean of the ranks' means .*\(rank 0: 8, rank 1: 3, rank 2: 9\).*"
-                      r"pitfall 5"),
+                      r"mean-of-means"),
     ("no division", r"Yours is the sum of the ranks' means: all_reduce\(SUM\) adds them up"),
     ("local", r"every rank returned its own mean \(rank 0: .*, rank 1: .*; collectives called: "
               r"none\)"),

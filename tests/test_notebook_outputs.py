@@ -43,7 +43,7 @@ BACKTICKED = re.compile(r"`([^`\n]{12,})`")
 PENDING = {
     "paths": {"06_from_notebook_to_torchrun"},
     "internals": set(),
-    "booleans": {"05_performance"},
+    "booleans": set(),
     "figures": set(),
 }
 

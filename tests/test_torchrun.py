@@ -149,7 +149,64 @@ def test_one_epoch_save_resume_one_epoch_equals_two_epochs(straight, tmp_path):
     resumed, straight_run = load(path), load(straight("train_ddp.py")[1])
     assert resumed["epochs_done"] == 2
     assert max_diff(resumed, straight_run) == 0.0
-    assert torch.equal(resumed["rng"]["cpu"], straight_run["rng"]["cpu"])
+    assert len(resumed["rng"]) == 2  # every rank's generators
+    assert all(torch.equal(a["cpu"], b["cpu"])
+               for a, b in zip(resumed["rng"], straight_run["rng"], strict=True))
+
+
+def _resume_with_a_seed_per_rank(rank, world_size, script, path, restore):
+    """2 steps, save, 2 more (straight); then restart: build, load, the same 2 (resumed).
+
+    Every rank starts from the same weights, then seeds its own dropout masks (seed + rank).
+    ``restore="rank 0's"`` imitates a checkpoint that kept rank 0's generator only.
+    Returns max |straight - resumed| over this rank's parameters.
+    """
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    spec = importlib.util.spec_from_file_location("script_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    device = torch.device("cpu")
+
+    def build():
+        torch.manual_seed(1234)  # the same initial weights on every rank ...
+        model = gst.model.Net()
+        torch.manual_seed(1234 + rank)  # ... then each rank its own dropout masks
+        return model, DDP(model), torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+
+    def steps(model, ddp_model, optimizer, numbers):
+        model.train()  # dropout on: every step draws from the generator
+        for step in numbers:
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(10, (8,), generator=g)
+            optimizer.zero_grad()
+            F.nll_loss(ddp_model(x), y).backward()
+            optimizer.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    model, ddp_model, optimizer = build()
+    steps(model, ddp_model, optimizer, range(2))
+    module.save_checkpoint(path, model, optimizer, 1, device)
+    straight = steps(model, ddp_model, optimizer, range(2, 4))
+    model, ddp_model, optimizer = build()
+    module.load_checkpoint(path, model, optimizer, device)
+    if restore == "rank 0's":
+        torch.set_rng_state(load(path)["rng"][0]["cpu"])
+    resumed = steps(model, ddp_model, optimizer, range(2, 4))
+    return (straight - resumed).abs().max().item()
+
+
+@pytest.mark.parametrize("script", ["train_manual.py", "train_ddp.py"])
+def test_resume_is_exact_when_every_rank_seeds_its_own_dropout(tmp_path, script):
+    """Each rank's own RNG state is in the checkpoint: with a seed per rank, a resumed run is
+    the straight run on every rank; with rank 0's state everywhere, rank 1 draws other masks,
+    and through the averaged gradients every rank drifts."""
+    script, path = SCRIPTS / script, tmp_path / "seed-per-rank.pt"
+    every = gst.launch(_resume_with_a_seed_per_rank, 2, args=(script, path, "every rank's"))
+    rank_0s = gst.launch(_resume_with_a_seed_per_rank, 2, args=(script, path, "rank 0's"))
+    assert every == [0.0, 0.0]
+    assert min(rank_0s) > 0.0
 
 
 # -- a failing rank -----------------------------------------------------------------------------

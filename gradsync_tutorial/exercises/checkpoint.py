@@ -60,13 +60,14 @@ def _train_steps(model, optimizer, rank: int, steps: range) -> None:
 
 
 class _CountingSave:
-    """Count this rank's torch.save calls; rank 0's write waits ``_SAVE_DELAY`` s first."""
+    """Count this rank's torch.save calls to a file; rank 0's write waits ``_SAVE_DELAY`` s."""
 
     def __init__(self, fn: Any, rank: int):
         self.fn, self.rank, self.calls = fn, rank, 0
         self._undo: list = []
 
     def __enter__(self) -> _CountingSave:
+        import io
         import time
 
         import torch.serialization
@@ -74,9 +75,11 @@ class _CountingSave:
         original = torch.save
 
         def save(*args, **kwargs):
-            self.calls += 1
-            if self.rank == 0:
-                time.sleep(_SAVE_DELAY)
+            f = args[1] if len(args) > 1 else kwargs.get("f")
+            if not isinstance(f, io.BytesIO):  # a file, not a buffer (all_gather_object's)
+                self.calls += 1
+                if self.rank == 0:
+                    time.sleep(_SAVE_DELAY)
             return original(*args, **kwargs)
 
         self._undo = _swap_in({id(original): save}, [vars(torch), vars(torch.serialization)],
@@ -174,15 +177,15 @@ def check_save_checkpoint(
     file is exactly the run that never stopped.
 
     Runs it on ``world_size`` ranks (3 by default), as ``scripts/train_ddp.py`` would:
-    ``model`` is the Net in DDP, in training mode (dropout draws random numbers), ``optimizer``
-    SGD with momentum, after 2 steps. Then the straight run takes 2 more steps, and a restarted
-    one (seed, build, load what your file holds, by what it is, whatever the keys) takes the
-    same 2 steps; their parameters must be equal to the bit (within 1e-6 with more than 2
-    ranks, whose gradients gloo may add in another order). Says what the file lacks: the
-    model's state dict (without DDP's "module." prefix), the optimizer's (momentum), the RNG
-    state (dropout), ``epochs_done`` (or the epoch to start from, ``epochs_done + 1``); and
-    whether every rank wrote the file, or a rank went on before it was complete (no barrier).
-    It loads the file with ``torch.load(path, weights_only=True)``.
+    ``model`` is the DDP wrapper (the Net is ``model.module``), in training mode (dropout draws
+    random numbers), ``optimizer`` SGD with momentum, after 2 steps. Then the straight run takes
+    2 more steps, and a restarted one (seed, build, load what your file holds, by what it is,
+    whatever the keys) takes the same 2 steps; their parameters must be equal to the bit
+    (within 1e-6 with more than 2 ranks, whose gradients gloo may add in another order). Says
+    what the file lacks: the model's state dict (without DDP's "module." prefix), the
+    optimizer's (momentum), the RNG state (dropout), ``epochs_done`` (or the epoch to start
+    from, ``epochs_done + 1``); and whether every rank wrote the file, or a rank went on before
+    it was complete (no barrier). It loads the file with ``torch.load(path, weights_only=True)``.
 
         >>> import gradsync_tutorial as gst
         >>> def save_checkpoint(path, model, optimizer, epochs_done):   # no optimizer, no RNG

@@ -71,10 +71,10 @@ def check_global_mean_loss(
 
     ``losses`` is this rank's per-sample losses (``F.nll_loss(..., reduction="none")``): 8 on
     rank 0, 3 on rank 1, 9 on rank 2, fresh random values at every check. Runs it on
-    ``world_size`` ranks (3 by default) and compares with the mean of all the
-    samples. Says so if you returned the mean of the ranks' means (pitfall 5), a sum you did not
-    divide, a rank's own value (no collective), the global sum over a rank's own count, if ranks
-    returned different values, or if one rank skipped the all_reduce (it hangs).
+    ``world_size`` ranks (3 by default) and compares with the mean of all the samples. Says so
+    if you returned the mean of the ranks' means (notebook 04's mean-of-means pitfall), a sum
+    you did not divide, a rank's own value (no collective), the global sum over a rank's own
+    count, if ranks returned different values, or if one rank skipped the all_reduce (it hangs).
 
         >>> import gradsync_tutorial as gst
         >>> def global_mean_loss(losses):          # the mean of the means: caught
@@ -135,8 +135,9 @@ def check_global_mean_loss(
         if _same(got, mean_of_means):
             hint = (f"the mean of the ranks' means ({' and '.join(f'{m:.4g}' for m in means)}). "
                     f"The ranks hold different numbers of samples ({sizes}), so the mean of "
-                    "means weighs a sample on a small rank more (pitfall 5). all_reduce the sum "
-                    "of the losses and the number of samples, then divide once.")
+                    "means weighs a sample on a small rank more (the mean-of-means pitfall). "
+                    "all_reduce the sum of the losses and the number of samples, then divide "
+                    "once.")
         elif _same(got, world_size * mean_of_means):
             hint = ("the sum of the ranks' means: all_reduce(SUM) adds them up, and even "
                     "divided by the world size the mean of means is wrong when the ranks hold "

@@ -1,4 +1,5 @@
-"""Notebook 04, exercise: the mean loss over every rank's samples, for logging (pitfalls 5, 11).
+"""Notebook 04, exercise: the mean loss over every rank's samples, for logging (the pitfalls
+"mean of means" and "local loss").
 
 In the notebook: `%load solutions/04_global_mean_loss.py`. From the repository root:
 `python notebooks/solutions/04_global_mean_loss.py` runs the check.

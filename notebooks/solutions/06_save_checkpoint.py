@@ -11,12 +11,14 @@ import gradsync_tutorial as gst
 
 
 def save_checkpoint(path, model, optimizer, epochs_done):
-    if dist.get_rank() == 0:  # every rank holds the same state: one copy is enough
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, torch.get_rng_state())  # every rank's generator (dropout)
+    if dist.get_rank() == 0:  # every rank holds the same model: one copy is enough
         checkpoint = {
             "model": model.module.state_dict(),  # the Net's, without DDP's "module." prefix
             "optimizer": optimizer.state_dict(),  # SGD's momentum buffers
             "epochs_done": epochs_done,  # where to go on
-            "rng": torch.get_rng_state(),  # dropout's generator (on GPUs: torch.cuda's too)
+            "rng": rngs,  # rngs[r]: rank r's generator (on GPUs: torch.cuda's too)
         }
         torch.save(checkpoint, path)
     dist.barrier()  # no rank goes on before the file is complete
