@@ -510,7 +510,26 @@ assert eps_diff <= 1e-6  # and what remains is eps / N
 # %% [markdown]
 # ## Copy this into your code
 #
+# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`: `average_gradients` and the three lines that call it
+# are the part to copy; the rest checks, on every rank, that the averaged gradient is the one of
+# the whole batch.
+#
+# <!-- snippets/02_average_gradients.py -->
 # ```python
+# """Notebook 02, copy this into your code: average the gradients by hand, SUM then divide.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/02_average_gradients.py
+# """
+#
+# import copy
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+#
+#
 # def average_gradients(model):
 #     world_size = dist.get_world_size()
 #     for param in model.parameters():
@@ -519,9 +538,32 @@ assert eps_diff <= 1e-6  # and what remains is eps / N
 #         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # every rank receives the sum
 #         param.grad /= world_size                            # the mean
 #
-# loss.backward()
-# average_gradients(model)
-# optimizer.step()
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     torch.manual_seed(0)                       # the same initial weights on every rank
+#     model = nn.Linear(20, 3)
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#     x, y = torch.randn(64, 20), torch.randint(0, 3, (64,))  # one global batch...
+#     shard = slice(rank, None, world_size)                   # ...a different shard on each rank
+#     whole = copy.deepcopy(model)               # for the check below: one process, all 64
+#
+#     loss = F.cross_entropy(model(x[shard]), y[shard])
+#     loss.backward()
+#     average_gradients(model)
+#     optimizer.step()
+#
+#     # Check: every rank holds the gradient of the loss over the whole batch, as one process would.
+#     F.cross_entropy(whole(x), y).backward()
+#     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+#         torch.testing.assert_close(p.grad, q.grad)
+#     print(f"rank {rank}: averaged gradient == gradient of the whole batch")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
 #
 # Start every rank from the same weights (same seed, or a broadcast from rank 0) and give each

@@ -233,16 +233,60 @@ assert before > 0.1 and after == 0.0
 # %% [markdown]
 # ## Copy this into your code
 #
+# `snippets/03_ddp.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`: DDP, the sampler and its `set_epoch`, the loop over a
+# `DataLoader` that deals each rank its shard, and a checkpoint written by rank 0 alone, then a
+# `dist.barrier()` (notebook 06 says why).
+#
+# <!-- snippets/03_ddp.py -->
 # ```python
-# model = DDP(model.to(device))          # after init_process_group; device_ids=[local_rank] on GPU
-# sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
-# for epoch in range(epochs):
-#     sampler.set_epoch(epoch)            # or every epoch repeats the same order
-#     for x, y in DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler):
-#         optimizer.zero_grad()
-#         loss_fn(model(x), y).backward()  # gradients are averaged across ranks here
-#         optimizer.step()
-# torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
+# """Notebook 03, copy this into your code: DistributedDataParallel, a sampler, a checkpoint.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/03_ddp.py
+# """
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+# from torch.nn.parallel import DistributedDataParallel as DDP
+# from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+#
+# SEED = 1234
+#
+#
+# def main():
+#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank, and device_ids=[local_rank]
+#     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
+#                             torch.arange(512) % 3)
+#     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
+#
+#     model = DDP(nn.Linear(20, 3))  # after init_process_group: copies rank 0's weights to all
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
+#     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)
+#     for epoch in range(epochs):
+#         sampler.set_epoch(epoch)               # or every epoch repeats the same order
+#         for x, y in loader:
+#             optimizer.zero_grad()
+#             F.cross_entropy(model(x), y).backward()  # gradients are averaged across ranks here
+#             optimizer.step()
+#
+#     if rank == 0:                              # one file, written once
+#         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
+#     dist.barrier()                             # no rank reads it, or exits, before it is written
+#
+#     # Check: the file holds every rank's weights (the replicas are equal).
+#     saved = torch.load(path, map_location="cpu", weights_only=True)
+#     for name, p in model.module.state_dict().items():
+#         assert torch.equal(saved[name], p), name
+#     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
 # ```
 
 # %% [markdown]
