@@ -37,6 +37,8 @@ import re
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -137,13 +139,23 @@ print(inspect.getsource(train_ddp.main))
 # numbers in the same order and the comparisons can ask for equality.
 
 # %%
+def shorten(text):
+    """This machine's folders, which differ on yours: the venv's packages, python, the course, /tmp."""
+    for path, short in ((sysconfig.get_paths()["purelib"], "<site-packages>"),
+                        (sys.executable, "python"), (f"{REPO}/", ""),
+                        (tempfile.gettempdir(), "<tmp>")):
+        text = text.replace(str(path), short)
+    return text
+
 def torchrun(*args, env=None):
     """Run `torchrun ARGS` in the course's folder, as in a terminal; return the finished process."""
-    print("$ torchrun", " ".join(map(str, args)))
-    return subprocess.run(
+    print("$ torchrun", shorten(" ".join(map(str, args))))
+    run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *map(str, args)], cwd=REPO,
         env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), capture_output=True, text=True,
     )
+    run.stdout, run.stderr = shorten(run.stdout), shorten(run.stderr)
+    return run
 
 def fresh(name):
     """A checkpoint path under checkpoints/ (git ignores it), with no file there yet."""

@@ -29,6 +29,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # path ("scripts/train.py"), e.g. /home/me/x, /tmp/ipykernel_1/2.py, /usr/lib/python3/x.py.
 ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~<>-])/(?:[\w.@+-]+/)+[\w.@+-]*")
 WINDOWS_PATH = re.compile(r"\b[A-Za-z]:\\(?:[^\\\s]+\\)+")
+TORCH_BUILD_TREE = "/__w/pytorch/"  # where the torch wheels were built: in its C++ messages
 # Python's warnings ("UserWarning: ..."), torch's C++ and Python log lines ("[W1129 ...] Warning:",
 # "W1129 19:03:16.010000 9267 torch/...] ...").
 WARNING = re.compile(r"\b\w*Warning: |\[W\d{4} |^W\d{4} \d\d:\d\d", re.M)
@@ -41,7 +42,7 @@ BACKTICKED = re.compile(r"`([^`\n]{12,})`")
 # shorten this machine's folders (site-packages, sys.executable, the checkout, the temp folder)
 # in what torchrun printed. Strict: once a notebook passes, its test fails until its entry goes.
 PENDING = {
-    "paths": {"06_from_notebook_to_torchrun"},
+    "paths": set(),
     "internals": set(),
     "booleans": set(),
     "figures": set(),
@@ -74,12 +75,16 @@ def _cells(path):
 
 
 def machine_paths(text: str) -> list[str]:
-    """The absolute paths in ``text``.
+    """The absolute paths in ``text``, but those of the machine that built torch's wheel (its C++
+    messages name their source files, the same for every reader: ``/__w/pytorch/pytorch/...``).
 
     >>> machine_paths('File "/tmp/ipykernel_1/2.py", line 3; see https://pytorch.org/docs/x')
     ['/tmp/ipykernel_1/2.py']
+    >>> machine_paths('[/__w/pytorch/pytorch/third_party/gloo/pair.cc:561] Connection closed')
+    []
     """
-    return ABSOLUTE_PATH.findall(text) + WINDOWS_PATH.findall(text)
+    paths = ABSOLUTE_PATH.findall(text) + WINDOWS_PATH.findall(text)
+    return [p for p in paths if not p.startswith(TORCH_BUILD_TREE)]
 
 
 def unexplained_warnings(text: str, following: list) -> list[str]:
@@ -95,6 +100,7 @@ def test_the_scan_finds_what_it_looks_for():
                          "and C:\\Users\\me\\x.py") == [
         "/work/main/.venv/lib/python3.11/site-packages/torch/x.py", "C:\\Users\\me\\"]
     assert machine_paths("scripts/train_ddp.py, <tmp>/x, https://pytorch.org/docs/a/b") == []
+    assert machine_paths("[/__w/pytorch/pytorch/third_party/gloo/pair.cc:561] closed") == []
     warning = ("[rank 0] [rank0]:[W1129 19:04:20.9 reducer.cpp:1529] Warning: "
                "find_unused_parameters=True was specified in DDP constructor, but ...")
     explained = nbformat.v4.new_markdown_cell(
