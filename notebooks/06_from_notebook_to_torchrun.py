@@ -140,7 +140,7 @@ print(inspect.getsource(train_ddp.main))
 
 # %%
 def shorten(text):
-    """This machine's folders, which differ on yours: the venv's packages, python, the course, /tmp."""
+    """Shorten the folders of this machine, which differ on yours (venv, python, course, /tmp)."""
     for path, short in ((sysconfig.get_paths()["purelib"], "<site-packages>"),
                         (sys.executable, "python"), (f"{REPO}/", ""),
                         (tempfile.gettempdir(), "<tmp>")):
@@ -404,19 +404,29 @@ print(summary)
 # How to read it, from the bottom up:
 #
 # * **Root Cause (first observed failure)**: the rank that failed first, its exit code, and —
-#   because `main` is decorated with `@record` — its traceback. Start here.
-# * **Failures**: the ranks that failed after it, usually *because* of it: here rank 0, whose
-#   `all_reduce` lost its peer ("Connection closed by peer") or which torchrun stopped with
-#   SIGTERM. Not a second bug.
+#   because `main` is decorated with `@record` — its traceback. Start here, with one caveat:
+#   torchrun dates failures in whole seconds and, on a tie, names the rank it noticed first: the
+#   lowest when both had ended by its next look. When rank 1 fails and rank 0 follows within the
+#   same second, the "root cause" shown can be rank 0's consequence. So read the tracebacks: the real cause is the rank whose traceback is its own
+#   exception, not a lost peer ("Connection closed by peer") or a SIGTERM.
+# * **Failures**: the other ranks that failed, usually *because* of the real cause: here rank 0,
+#   whose `barrier` lost its peer or which torchrun stopped with SIGTERM. Not a second bug.
 
 # %%
-root_cause = summary[summary.index("Root Cause"):]
-others = summary[summary.index("Failures:"):summary.index("Root Cause")]
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
 assert failed.returncode != 0
-assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause)
-assert "RuntimeError: rank 1 fails on purpose" in root_cause
-assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)", others)
-print(f"exit status {failed.returncode}; root cause: rank 1's own exception; then: rank 0")
+assert "RuntimeError: rank 1 fails on purpose" in summary  # rank 1's own exception is there
+named = re.search(r"Root Cause.*?rank\s*:\s*(\d)", summary, re.S).group(1)
+print(f"exit status {failed.returncode}; rank 1's own exception is in the summary; "
+      f"this time torchrun named rank {named} as the root cause")
+# torchrun collects failures in rank order, and on a tie of timestamps keeps the first: rank 0.
+same_second = {rank: ProcessFailure(rank, pid=0, exitcode=1, error_file="") for rank in (0, 1)}
+for failure in same_second.values():
+    failure.timestamp = 1_700_000_000
+first, _ = ChildFailedError("train_ddp.py", same_second).get_first_failure()
+assert first == 0
+print("two failures dated the same second: torchrun names rank", first, "as the root cause")
 
 # %% [markdown]
 # Without `@record` the root cause has no traceback, only a link. The same kind of failure in a
