@@ -1,0 +1,104 @@
+"""Issue 25: one job's state does not reach the next, and the course's launches stay warm.
+
+The rule (README, "What a launch forgets"): a warm worker puts back what a fresh interpreter has
+(``sys.argv``, torch's classes and functions a job patched, ...); a job that imported a library
+from outside the standard library, torch and the course's own package retires its workers, since
+such a library may keep process-wide state (Accelerate's ``AcceleratorState``): the next launch
+starts fresh interpreters, and the launch says so in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import gradsync_tutorial as gst
+
+pytestmark = pytest.mark.usefixtures("no_workers_left")
+
+
+def pids(rank, world_size):
+    import os
+
+    return os.getpid()
+
+
+def test_sys_argv_set_by_a_job_does_not_reach_the_next():
+    gst.shutdown_workers()
+    fresh = gst.launch(lambda rank, world_size: list(__import__("sys").argv), world_size=2)
+
+    def parse_args(rank, world_size):
+        import sys
+
+        sys.argv = ["train.py", "--lr", "0.1"]  # what a cell does before calling main()
+        return sys.argv
+
+    gst.launch(parse_args, world_size=2)
+    assert gst.launch(lambda rank, world_size: list(__import__("sys").argv), 2) == fresh
+
+
+def test_a_patched_tensor_operator_does_not_reach_the_next_job():
+    def patch(rank, world_size):
+        import torch
+
+        torch.Tensor.__add__ = lambda a, b: torch.sub(a, b)  # a job's monkeypatch
+        torch.nn.Module.extra_hook = "leaked"
+        return (torch.ones(1) + torch.ones(1)).item()
+
+    def add(rank, world_size):
+        import torch
+
+        return (torch.ones(1) + torch.ones(1)).item(), hasattr(torch.nn.Module, "extra_hook")
+
+    first = gst.launch(pids, world_size=2)
+    assert gst.launch(patch, world_size=2) == [0.0, 0.0]
+    assert gst.launch(add, world_size=2) == [(2.0, False), (2.0, False)]
+    assert gst.launch(pids, world_size=2) == first  # put back, not restarted: still warm
+
+
+def test_a_job_that_imports_a_stateful_library_retires_its_workers(capsys):
+    def configure(precision):
+        def fn(rank, world_size):
+            from tests.programs import stateful_library
+
+            return stateful_library.configure(precision)
+        return fn
+
+    before = gst.launch(pids, world_size=2)
+    assert gst.launch(configure("no"), world_size=2) == ["no", "no"]
+    note = capsys.readouterr().err
+    assert "tests" in note and "fresh" in note and len(note.strip().splitlines()) == 1
+    # Fresh interpreters, as the next launch of a script under torchrun would get.
+    assert gst.launch(configure("bf16"), world_size=2) == ["bf16", "bf16"]
+    assert not set(gst.launch(pids, world_size=2)) & set(before)
+
+
+def test_restart_your_runtime_says_what_restarts_a_rank():
+    def twice(rank, world_size):
+        from tests.programs import stateful_library
+
+        stateful_library.configure("no")
+        stateful_library.configure("bf16")  # refused: "restart your runtime"
+
+    with pytest.raises(gst.RankFailedError) as caught:
+        gst.launch(twice, world_size=2)
+    assert "gst.shutdown_workers()" in str(caught.value)
+    assert "reuse_workers=False" in str(caught.value)
+
+
+def test_the_course_s_own_launches_keep_their_warm_workers():
+    def course_job(rank, world_size):
+        import os
+
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+        import gradsync_tutorial as gst
+
+        model = DDP(gst.model.Net())
+        F.relu(model(torch.randn(4, 1, 28, 28))).sum().backward()
+        gst.detect.count_collectives  # noqa: B018 - the course's detectors
+        return os.getpid()
+
+    first = gst.launch(course_job, world_size=2)
+    assert gst.launch(course_job, world_size=2) == first
