@@ -8,7 +8,8 @@ Every notebook imports it the same way::
 One module per concept: ``launcher`` (``launch``: run a notebook function on N ranks), ``data``
 (Fashion-MNIST as in-memory tensors), ``model`` (the course's CNN), ``checks`` (are the
 replicas equal?), ``plots`` (per-rank loss curves), ``detect`` (notebook 04's bug detectors),
-``averaging`` (notebook 05's averaging variants), ``exercises`` (the exercises' self-checks).
+``averaging`` (notebook 05's averaging variants), ``tokens`` (notebook 07's variable-length
+sequences), ``exercises`` (the exercises' self-checks).
 Submodules are imported on first use, so that ``python -m gradsync_tutorial._worker`` starts
 without paying for matplotlib.
 """
@@ -29,7 +30,7 @@ _EXPORTS = {
     "LaunchTimeoutError": "launcher",
 }
 _SUBMODULES = ("launcher", "data", "model", "checks", "plots", "detect", "averaging", "exercises",
-               "notebooks")
+               "notebooks", "tokens")
 
 __all__ = sorted(set(_EXPORTS) | set(_SUBMODULES))
 

@@ -10,7 +10,9 @@ cannot take for granted; they reuse the same idle workers from one launch to the
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import runpy
 
 import pytest
@@ -582,3 +584,95 @@ def test_average_overlapped_hard_coded_world_size():
     with pytest.raises(ExerciseFailed, match=r"in step 1, your gradients are 1\.5× the mean over "
                                              r"ranks.*Did you divide by 2 instead of world_size"):
         exercises.check_average_overlapped(_overlapped(world_size=2))  # / 2: right on 2 ranks
+
+
+# --------------------------------------------------------------------------------------------
+# 07: token_mean_backward (DDP, gradient accumulation, variable-length sequences)
+# --------------------------------------------------------------------------------------------
+
+
+def _token_mean(mean="global", times=None, no_sync=True, count=None, log="global",
+                zero_inside=False, sum_gradients=False):
+    """A learner's token_mean_backward, with one of the typical mistakes switched on (times: a
+    hard-coded world size to multiply by; count: "padding" or "micro-batch")."""
+
+    def token_mean_backward(model, micro_batches):
+        def valid(targets):
+            return torch.tensor(targets.numel()) if count == "padding" else (targets != -100).sum()
+
+        local = sum(valid(targets) for _, targets in micro_batches)
+        total_count = local.clone()
+        dist.all_reduce(total_count)
+        world_size = dist.get_world_size() if times is None else times
+        total = torch.zeros((), dtype=torch.float64)
+        for k, (inputs, targets) in enumerate(micro_batches):
+            last = k == len(micro_batches) - 1
+            if zero_inside:
+                model.zero_grad()
+            with contextlib.nullcontext() if last or not no_sync else model.no_sync():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(),
+                                       reduction="sum")
+                if mean == "per micro-batch":
+                    scaled = loss / valid(targets) / len(micro_batches)  # the 2024 bug
+                elif mean == "local":
+                    scaled = loss / local
+                elif count == "micro-batch":  # each micro-batch's count over the ranks
+                    piece = valid(targets).clone()
+                    dist.all_reduce(piece)
+                    scaled = loss / piece
+                else:
+                    scaled = loss / total_count
+                (scaled * world_size).backward()
+            total += loss.detach()
+        if sum_gradients:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        if log == "own":
+            return (total / local).item()
+        if log == "tensor":
+            return total / total_count
+        dist.all_reduce(total)
+        return (total / total_count).item()
+
+    return token_mean_backward
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (dict(mean="per micro-batch"), r"with 2 ranks and 4 micro-batches, your gradient is not the "
+                                   r"mean over all \d+ valid tokens: this is the 2024 "
+                                   r"accumulation bug: each micro-batch's own mean"),
+    (dict(mean="per micro-batch", times=1), r"2024 accumulation bug.*And multiply by the world "
+                                            r"size: DDP divides the summed gradients by it\."),
+    (dict(mean="local"), r"this is each rank's own mean \(its loss sum / its own count\), which "
+                         r"DDP then averages over the ranks: all_reduce the count"),
+    (dict(mean="local", times=1), r"each rank's own mean.*And multiply by the world size"),
+    (dict(times=1), r"you forgot the × N: DDP divides the summed gradients by the world size "
+                    r"\(2 here\)"),
+    (dict(times=2), r"with 3 ranks and 3 micro-batches, your gradients are 0\.67× the expected "
+                    r"ones.*Did you multiply by 2 instead of the world size \(3 here\)\?"),
+    # right on 2 ranks, caught on 3
+    (dict(count="padding"), r"you counted every position, padding included \(targets\.numel\(\)\)"),
+    (dict(count="micro-batch"), r"you divided each micro-batch by the count of that micro-batch "
+                                r"over the ranks"),
+    (dict(zero_inside=True), r"only the last micro-batch's gradient is left: do not zero the "
+                             r"gradients"),
+    (dict(sum_gradients=True), r"you multiplied by the world size and also summed the gradients "
+                               r"yourself: DDP already averages them"),
+    (dict(no_sync=False), r"DDP all-reduced the gradients in 4 backward passes: run every "
+                          r"micro-batch but the last inside `with model\.no_sync\(\):`"),
+    (dict(log="own"), r"token_mean_backward returned .* on rank 0; the mean loss over all \d+ "
+                      r"valid tokens is .*Yours is this rank's own mean"),
+    (dict(log="tensor"), r"token_mean_backward returned tensor\(.* on rank 0: return the mean "
+                         r"loss as a float"),
+])
+def test_token_mean_backward_wrong_answers(mistake, message):
+    with pytest.raises(ExerciseFailed, match=message):
+        exercises.check_token_mean_backward(_token_mean(**mistake))
+
+
+def test_token_mean_backward_checks_two_configurations(capsys):
+    exercises.check_token_mean_backward(_token_mean())
+    out = capsys.readouterr().out
+    assert re.search(r"✓ correct: .* with 2 ranks × 4 micro-batches \(\d+ valid tokens; .*one "
+                     r"all_reduce carried the count of valid tokens, \d+\) and with 3 ranks × 3 "
+                     r"micro-batches", out), out
