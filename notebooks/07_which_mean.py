@@ -761,10 +761,11 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # (`model.no_sync()`).
 #
 # The check runs it on 2 ranks with 4 micro-batches, then on 3 ranks with 3, on fresh random
-# sequences, and compares the gradients and the loss with one process on all of them. It prints
-# "✓ correct", or says what is wrong (the mean per micro-batch, a local count, a forgotten
-# × N...); until you write the function, it says "not attempted yet". Stuck?
-# `%load solutions/07_token_mean_backward.py` in a new cell.
+# sequences, and compares the gradients and the loss with one process on all of them; your
+# collectives must have delivered the global count, and the parameters and the micro-batches
+# must be left as they were. It prints "✓ correct", or says what is wrong (the mean per
+# micro-batch, a local count, a forgotten × N...); until you write the function, it says "not
+# attempted yet". Stuck? `%load solutions/07_token_mean_backward.py` in a new cell.
 
 # %%
 def token_mean_backward(model, micro_batches):
