@@ -543,8 +543,8 @@ assert unequal_micro["per micro-batch"][torch.float64]["off"][0] > 1e-2
 # One `all_reduce` of one number per step (section 2 counted it), plus a few additions: the
 # latency of one small collective (notebook 05's α), whatever the size of the model. Measured
 # side by side: whole steps (forward, backward, DDP, SGD) with the per-rank mean and with the
-# global count, interleaved, for the lesson's model and a wider one (a hidden layer of 512
-# between the same two layers), float32, 2 micro-batches.
+# global count, interleaved, for the lesson's model (width 16) and a wider one (width 512, with
+# a hidden layer), float32, 2 micro-batches.
 
 # %%
 def time_steps(rank, world_size, width, steps):
@@ -603,9 +603,10 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #   batch in batch_samples])`, and with `average_tokens_across_devices` sums that over the
 #   processes: `num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()`. The
 #   model's loss then divides a sum by it (`fixed_cross_entropy`: `reduction = "sum"`, then
-#   `loss = loss / num_items_in_batch`), and `Trainer.compute_loss` multiplies by the number of
-#   processes, `loss *= self.accelerator.num_processes`, DDP's division undone: this notebook's
-#   sum / global count × N
+#   `loss = loss / num_items_in_batch`), and `Trainer.compute_loss`, when the model or your
+#   `compute_loss_func` takes `num_items_in_batch`, multiplies by the number of processes,
+#   `loss *= self.accelerator.num_processes`, DDP's division undone: this notebook's sum /
+#   global count × N
 #   ([trainer.py](https://github.com/huggingface/transformers/blob/000945a9b726d87a93e61e873b88ff8f3cd411b5/src/transformers/trainer.py),
 #   [loss/loss_utils.py](https://github.com/huggingface/transformers/blob/0114da07ec0e101b420a923dedeb6032b6ac3a44/src/transformers/loss/loss_utils.py)).
 #   A `compute_loss_func` of your own receives the count too: it is "A function that accepts
