@@ -1,6 +1,6 @@
 """``make lab`` (``python -m gradsync_tutorial lab``): the course in JupyterLab, wherever it runs.
 
-    make lab                                # opens notebooks/, starting with 00_launching_workers
+    make lab                                # then open notebooks/00_launching_workers.ipynb
     make lab LAB_ARGS="--port 9999"         # any option of `jupyter lab`, added at the end
     make lab LAB_ARGS="--ip 0.0.0.0"        # reachable from other machines: read what it prints
 
