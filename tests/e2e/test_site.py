@@ -3,7 +3,7 @@
     python -m pytest tests/e2e/test_site.py -s     # prints what each check measured
 
 The site is built once per session from this checkout (``docs/build.py``, what ``make site``
-runs) into a temporary folder, and served over HTTP from ``127.0.0.1`` under a sub-path, as
+runs, into ``build/site/``), and served over HTTP from ``127.0.0.1`` under a sub-path, as
 GitHub Pages serves a project (``/NAME/``): a link that leaves the site's folder fails here as it
 would there. Nothing is fetched from anywhere else: a page that needs a CDN shows a console error
 and a broken resource here. Needs the ``site`` extra (``pip install -e '.[site]'``) besides the
@@ -21,9 +21,7 @@ import json
 import os
 import posixpath
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -54,8 +52,10 @@ site_build = _load_build()
 
 
 @pytest.fixture(scope="session")
-def site(e2e_tools):
-    """The site's html folder, built from this checkout into a temporary folder."""
+def site(e2e_tools) -> Path:
+    """The site's html folder, built from this checkout where ``make site`` builds it
+    (``build/site/``, gitignored): right after ``make site`` (as in ``.ci/run``), Sphinx finds
+    nothing changed and only checks."""
     missing = [name for name in ("sphinx", "myst_nb", "sphinx_book_theme")
                if importlib.util.find_spec(name) is None]
     if missing:
@@ -64,13 +64,10 @@ def site(e2e_tools):
             pytest.fail(message + " (GRADSYNC_E2E=required: failing instead of skipping)",
                         pytrace=False)
         pytest.skip(message)
-    work = Path(tempfile.mkdtemp(prefix="gradsync-site-"))
     started = time.monotonic()
-    index = site_build.build(work / "site")
+    index = site_build.build(REPO / "build" / "site")
     print(f"\nsite built in {time.monotonic() - started:.1f} s: {index}")
-    yield index.parent
-    if not os.environ.get("E2E_KEEP"):
-        shutil.rmtree(work, ignore_errors=True)
+    return index.parent
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
