@@ -122,10 +122,7 @@ def read_course(root: Path = REPO) -> Course:
     if not notebooks:
         raise SiteError(f"no notebooks/NN_*.ipynb under {root}")
     course = Course(root, opening, sections, notebooks)
-    glossary = _section(course, "Glossary")
-    for match in re.finditer(r"^- \*\*(?P<term>[^*]+)\*\*:?[ \t]*(?P<definition>.+)$",
-                             glossary.text, re.M):
-        course.glossary[match["term"].strip()] = match["definition"].strip()
+    course.glossary = glossary_items(_section(course, "Glossary").text)
     if not course.glossary:
         raise SiteError("README's Glossary has no '- **term**: definition' items")
     for section in [opening, *sections]:
@@ -133,6 +130,21 @@ def read_course(root: Path = REPO) -> Course:
         for heading in re.findall(r"^#{1,6} (.+)$", _without_code(section.text), re.M):
             course.anchors.setdefault(slug(heading), page)
     return course
+
+
+# "- **term**: definition", the definition possibly continued on indented lines
+GLOSSARY_ITEM = re.compile(r"^- \*\*(?P<term>[^*]+)\*\*:?[ \t]*(?P<definition>.+(?:\n[ \t]+\S.*)*)",
+                           re.M)
+
+
+def glossary_items(text: str) -> dict[str, str]:
+    """The README glossary's terms and their definitions (one line each).
+
+    >>> glossary_items("Words.\\n\\n- **rank**: one process\\n  of N.\\n- **bucket**: a buffer\\n")
+    {'rank': 'one process of N.', 'bucket': 'a buffer'}
+    """
+    return {m["term"].strip(): " ".join(m["definition"].split())
+            for m in GLOSSARY_ITEM.finditer(text)}
 
 
 def _on_landing(section: Section) -> bool:
@@ -278,7 +290,7 @@ def landing_page(course: Course) -> tuple[str, set[str]]:
 
 def _glossary(course: Course, section: Section, linker: Linker) -> str:
     """The README's glossary as a Sphinx glossary: each term a target of {term} links."""
-    lines = [line for line in section.text.splitlines() if not line.startswith("- **")]
+    lines = GLOSSARY_ITEM.sub("", section.text).splitlines()
     entries = []
     for term, definition in course.glossary.items():
         entries.append(f"{term}\n  {linker.markdown(definition, terms=False)}\n")
