@@ -25,6 +25,7 @@ Sphinx runs with ``-W``: a link or an image that does not resolve fails the buil
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import posixpath
 import re
@@ -343,7 +344,7 @@ def notebook_page(course: Course, path: Path, commands: str) -> tuple[nbformat.N
         box.append(f"\n**Or on Colab**: [![Open In Colab]({linker.rel(LOCAL_BADGE)})]"
                    f"({colab['target']})\n")
     box.append("````")
-    cell = nbformat.v4.new_markdown_cell("".join(box))
+    cell = nbformat.v4.new_markdown_cell("".join(box), id="run-this-notebook")  # same each build
     cell.metadata["tags"] = ["run-it"]
     nb.cells.insert(1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0, cell)
     repository = f"https://github.com/{colab['owner']}/{colab['name']}" if colab else None
@@ -403,10 +404,20 @@ def _sync(dest: Path, files: dict[str, bytes]) -> None:
 
 def build(work: Path, root: Path = REPO, quiet: bool = True) -> Path:
     """Stage the sources in ``work/src`` and build the site into ``work/html``; returns its
-    ``index.html``. (MyST-NB writes the outputs' images to ``work/jupyter_execute``.)"""
+    ``index.html``. (MyST-NB writes the outputs' images to ``work/jupyter_execute``.)
+
+    Sphinx runs unless ``work/html`` was built from exactly these staged sources with these
+    tools' versions (``work/built-from.sha256``): a second ``make site``, or the site test right
+    after ``make site``, reuses that build. (Sphinx's own incremental build re-reads every
+    notebook anyway: the extensions change the configuration it compares.)
+    """
     work = work.resolve()
-    src, html = work / "src", work / "html"
+    src, html, stamp = work / "src", work / "html", work / "built-from.sha256"
     stage(root, src)
+    fingerprint = _fingerprint(src)
+    if (html / "index.html").exists() and stamp.exists() and stamp.read_text() == fingerprint:
+        return html / "index.html"
+    stamp.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-n",
            "-d", str(work / "doctrees"), str(src), str(html)]
     if quiet:
@@ -414,7 +425,21 @@ def build(work: Path, root: Path = REPO, quiet: bool = True) -> Path:
     result = subprocess.run(cmd, cwd=src)
     if result.returncode != 0:
         raise SiteError(f"sphinx-build failed (exit {result.returncode}): see its messages above")
+    stamp.write_text(fingerprint)
     return html / "index.html"
+
+
+def _fingerprint(src: Path) -> str:
+    """What a build is made from: the staged files, this script and the tools' versions."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for tool in ("sphinx", "myst-nb", "sphinx-book-theme", "pydata-sphinx-theme",
+                 "sphinx-mathjax-offline"):
+        digest.update(f"{tool}=={version(tool)}\n".encode())
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,12 +456,16 @@ def main(argv: list[str] | None = None) -> int:
               "(or make site)", file=sys.stderr)
         return 2
     started = time.monotonic()
+    stamp = (args.work / "built-from.sha256").resolve()
+    before = stamp.stat().st_mtime if stamp.exists() else None
     try:
         index = build(args.work, quiet=not args.verbose)
     except SiteError as error:
         print(f"docs/build.py: {error}", file=sys.stderr)
         return 1
-    print(f"site built in {time.monotonic() - started:.0f} s: {index}")
+    rebuilt = before is None or stamp.stat().st_mtime != before
+    print(f"site {'built' if rebuilt else 'up to date'} in {time.monotonic() - started:.0f} s: "
+          f"{index}")
     return 0
 
 

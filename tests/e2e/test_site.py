@@ -54,8 +54,8 @@ site_build = _load_build()
 @pytest.fixture(scope="session")
 def site(e2e_tools) -> Path:
     """The site's html folder, built from this checkout where ``make site`` builds it
-    (``build/site/``, gitignored): right after ``make site`` (as in ``.ci/run``), Sphinx finds
-    nothing changed and only checks."""
+    (``build/site/``, gitignored); right after ``make site`` (as in ``.ci/run``), from the same
+    files, that build is the one read."""
     missing = [name for name in ("sphinx", "myst_nb", "sphinx_book_theme")
                if importlib.util.find_spec(name) is None]
     if missing:
@@ -66,7 +66,8 @@ def site(e2e_tools) -> Path:
         pytest.skip(message)
     started = time.monotonic()
     index = site_build.build(REPO / "build" / "site")
-    print(f"\nsite built in {time.monotonic() - started:.1f} s: {index}")
+    print(f"\nsite ready in {time.monotonic() - started:.1f} s (built now, or by make site from "
+          f"the same files): {index}")
     return index.parent
 
 
