@@ -72,11 +72,11 @@ def lab_command(user_args: list[str], root: Path, as_root: bool, desktop: bool,
     >>> cmd, notices = lab_command(["--port", "9999"], Path("/course"), as_root=True,
     ...                            desktop=False, python="python")
     >>> cmd[:3], cmd[-4:]
-    (['python', '-m', 'jupyter'], ['--allow-root', '--no-browser', '--port', '9999'])
+    (['python', '-m', 'jupyterlab'], ['--allow-root', '--no-browser', '--port', '9999'])
     >>> notices == [ROOT_NOTICE]
     True
     """
-    cmd = [python, "-m", "jupyter", "lab", f"--ServerApp.root_dir={root}",
+    cmd = [python, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
            "--ContentsManager.preferred_dir=notebooks"]
     notices = []
     if as_root and "--allow-root" not in user_args:

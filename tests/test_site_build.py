@@ -74,7 +74,8 @@ def test_every_readme_section_is_on_one_page_and_its_anchor_goes_there():
 
 def test_a_readme_without_a_glossary_is_refused_saying_what_is_missing(course):
     readme = course / "README.md"
-    readme.write_text(readme.read_text().replace("## Glossary", "## Words"))
+    readme.write_text(readme.read_text(encoding="utf-8").replace("## Glossary", "## Words"),
+                      encoding="utf-8")
     with pytest.raises(site.SiteError, match="no '## Glossary...' section"):
         site.read_course(course)
 
@@ -148,7 +149,7 @@ def test_a_notebook_that_lands_later_gets_its_page(course, tmp_path):
         "# 42 — A later notebook\n\nAfter notebook 02.")])
     nbformat.write(new, course / "notebooks" / "42_later.ipynb")
     site.stage(course, tmp_path / "src")
-    index = (tmp_path / "src" / "index.md").read_text()
+    index = (tmp_path / "src" / "index.md").read_text(encoding="utf-8")
     assert "notebooks/42_later\n```" in index
     staged = nbformat.read(tmp_path / "src" / "notebooks" / "42_later.ipynb", as_version=4)
     assert "[notebook 02](02_manual_allreduce_averaging.ipynb)" in staged.cells[0].source
@@ -168,7 +169,8 @@ def test_once_colab_py_has_a_url_each_page_shows_its_badge_from_the_site_itself(
     assert context["repository_url"] == URL
     staged = sorted((tmp_path / "src").rglob("*.ipynb")) + [tmp_path / "src" / "index.md"]
     for path in staged:
-        assert site.COLAB_BADGE_SVG not in path.read_text(), f"{path.name} loads Google's badge"
+        text = path.read_text(encoding="utf-8")
+        assert site.COLAB_BADGE_SVG not in text, f"{path.name} loads Google's badge"
     nb = nbformat.read(tmp_path / "src" / "notebooks" / "00_launching_workers.ipynb",
                        as_version=4)
     assert "Open In Colab" not in nb.cells[0].source  # moved into the box

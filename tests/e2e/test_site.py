@@ -121,9 +121,13 @@ def _page_of(notebook: Path) -> str:
     return f"notebooks/{notebook.stem}.html"
 
 
+def _cells(notebook: Path) -> list[dict]:
+    return json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+
+
 def _images_in(notebook: Path) -> int:
     """Pictures the notebook shows: image outputs, and images its markdown cells link."""
-    cells = json.loads(notebook.read_text())["cells"]
+    cells = _cells(notebook)
     outputs = sum(1 for c in cells for o in c.get("outputs", [])
                   if any(k.startswith("image/") for k in o.get("data", {})))
     markdown = sum(len(re.findall(r"!\[[^\]]*\]\(", "".join(c["source"])))
@@ -137,7 +141,7 @@ def _images_in(notebook: Path) -> int:
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name[:2])
 def test_every_notebook_page_opens_with_its_images_and_no_error(reader, site_url, notebook):
     _open(reader, site_url, _page_of(notebook))
-    title = json.loads(notebook.read_text())["cells"][0]["source"][0].lstrip("# ").strip()
+    title = _cells(notebook)[0]["source"][0].lstrip("# ").strip()
     heading = reader.locator("article h1").first.inner_text().replace("#", "").strip()
     assert heading == re.sub(r"`", "", title), "the page is not the notebook's"
     images = reader.eval_on_selector_all(
@@ -153,11 +157,9 @@ def test_every_notebook_page_opens_with_its_images_and_no_error(reader, site_url
     # no Colab badge until colab.py has given the notebook one (then the box has it)
     has_badge = site_build.colab_target(site_build.nbformat.read(notebook, as_version=4))
     assert box.locator("img[alt='Open In Colab']").count() == (1 if has_badge else 0)
-    if "$" in notebook.read_text():  # math rendered by the site's own MathJax
-        math = [c for c in json.loads(notebook.read_text())["cells"]
-                if c["cell_type"] == "markdown" and re.search(r"\$[^$\n]+\$", "".join(c["source"]))]
-        if math:
-            reader.wait_for_selector("mjx-container", state="attached", timeout=30_000)
+    if any(re.search(r"\$[^$\n]+\$", "".join(c["source"])) for c in _cells(notebook)
+           if c["cell_type"] == "markdown"):  # math, typeset by the site's own MathJax
+        reader.wait_for_selector("mjx-container", state="attached", timeout=30_000)
     assert not reader.problems, "\n".join(reader.problems)
     print(f"  {notebook.name}: {len(images)} images, no console error")
 
@@ -302,7 +304,7 @@ def test_search_finds_all_reduce(reader, site_url):
 def _tagged(tag_start: str) -> tuple[Path, str]:
     """The first notebook with a cell whose tag starts with ``tag_start``, and that tag."""
     for notebook in NOTEBOOKS:
-        for cell in json.loads(notebook.read_text())["cells"]:
+        for cell in _cells(notebook):
             for tag in cell.get("metadata", {}).get("tags", []):
                 if tag.startswith(tag_start):
                     return notebook, tag
