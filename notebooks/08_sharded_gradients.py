@@ -28,7 +28,7 @@ WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
 SEED = 1234
 GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
 LR, MOMENTUM = 0.01, 0.5  # notebook 02's SGD settings
-N_TRAIN = 2048 if SMOKE_TEST else 8192  # images of the training runs (32 steps in full mode)
+N_TRAIN = 1024 if SMOKE_TEST else 4096  # images of the training runs (16 steps in full mode)
 
 import inspect
 from functools import partial
@@ -305,11 +305,14 @@ assert changes == 3
 
 # %%
 fsdp = gst.launch(partial(train_fsdp, **exact), world_size=WORLD_SIZE, args=(1,))
-single = gst.launch(partial(train_02, **exact), world_size=1, args=(1,))  # one process
+train_01 = gst.notebooks.load_function("01_single_device_baseline", "train")
+train_01.__globals__["N_TRAIN"] = N_TRAIN
+single = [train_01(1, **exact)]  # notebook 01's loop, one process, in this kernel
 
 # %%
+runs = {"DDP (03)": ddp, "one process (01)": single, "ZeRO by hand": zero}
 fsdp_vs = {name: gst.checks.compare_state_dicts(fsdp[0]["state"], run[0]["state"], show=False)
-           for name, run in [("DDP (03)", ddp), ("one process", single), ("ZeRO by hand", zero)]}
+           for name, run in runs.items()}
 print(f"FSDP2, {WORLD_SIZE} ranks, {steps} steps, float64, max |difference| of the parameters: "
       + ", ".join(f"vs {name} {gap:.2g}" for name, gap in fsdp_vs.items()))
 assert all(gap <= 1e-12 for gap in fsdp_vs.values())
@@ -477,7 +480,8 @@ def fsdp_gradient(rank, world_size, dtype=torch.float32, factor=None, force_sum=
         loss.backward()
     F.nll_loss(whole(x), y).backward()  # one process, every sample: the mean gradient
     op = calls.arguments[reduce_scatter.__name__][0][1]["op"]  # FSDP2 passes op=...
-    return {"op": str(op).split(".")[-1], "reduce_scatters": calls[reduce_scatter.__name__],
+    op = str(getattr(op, "op", op)).split(".")[-1]  # "AVG"; PREMUL_SUM(f) keeps its kind in .op
+    return {"op": op, "reduce_scatters": calls[reduce_scatter.__name__],
             "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
             "reference": {n: p.grad for n, p in whole.named_parameters()}}
 
@@ -511,12 +515,15 @@ assert [round(ratio(r)[0], 4) for r in divided.values()] == [1, 1, 1, WORLD_SIZE
 # `PREMUL_SUM`, which gloo does not have:
 
 # %%
+on_gpus = torch.cuda.device_count() >= WORLD_SIZE  # then gst.launch runs nccl, else gloo
 try:
-    gst.launch(partial(fsdp_gradient, factor=1.0), world_size=WORLD_SIZE)
+    premul = gst.launch(partial(fsdp_gradient, factor=1.0), world_size=WORLD_SIZE)[0]
+    print(f"factor 1.0 on nccl: {premul['op']}, gradient = {ratio(premul)[0]:.4f} × one process's")
+    assert on_gpus and premul["op"] == "PREMUL_SUM" and abs(ratio(premul)[0] - WORLD_SIZE) < 1e-4
 except gst.RankFailedError as error:
     premul_error = error.failure.message
     print(f"factor 1.0 on gloo: rank {error.rank} raised {error.exc_type}: {premul_error}")
-assert premul_error == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+    assert not on_gpus and premul_error == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
 
 # %% [markdown]
 # `ReduceOp.PREMUL_SUM(f)` multiplies each rank's tensor by `f`, then sums: a division folded

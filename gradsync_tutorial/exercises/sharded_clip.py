@@ -58,7 +58,8 @@ def _carried(counter: CollectiveCounter) -> list[tuple[str, str, int]]:
                 sent = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_list"))
             else:  # all_reduce(tensor, op), all_gather(..., tensor), ...: every tensor passed
                 sent = args[0] if name == "all_reduce" and args else [*args, *kwargs.values()]
-            carried.append((name, str(op).split(".")[-1], _numbers(sent)))
+            op = str(getattr(op, "op", op)).split(".")[-1]  # PREMUL_SUM(f): its kind is .op
+            carried.append((name, op, _numbers(sent)))
     return carried
 
 
