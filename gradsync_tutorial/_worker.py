@@ -50,15 +50,18 @@ def _dumps_result(obj) -> bytes:
 
     Tensors are swapped while pickling, wherever they are (in a dict, a ``Counter``, a
     ``defaultdict``, a dataclass, an object of the user's own class): no container is rebuilt,
-    so each comes back as it was, with its type, its default factory, its counts.
+    so each comes back as it was, with its type, its default factory, its counts. A DTensor
+    (FSDP2) comes back as this rank's shard, a plain tensor, with a note saying so.
     """
     import cloudpickle
     import torch
 
+    shards: list[str] = []  # the DTensors sent as this rank's shard (see _local_shard)
+
     class _CPUPickler(cloudpickle.Pickler):
         def reducer_override(self, o):
             if isinstance(o, torch.Tensor):
-                cpu = o.detach().cpu()
+                cpu = _local_shard(o, shards).detach().cpu()
                 if isinstance(o, torch.nn.Parameter):  # stays a Parameter, as it was
                     cpu = torch.nn.Parameter(cpu, requires_grad=o.requires_grad)
                 return cpu.__reduce_ex__(self.proto)
@@ -66,7 +69,25 @@ def _dumps_result(obj) -> bytes:
 
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    if shards:
+        print(f"fn returned {len(shards)} DTensor(s) (FSDP2's sharded tensors, e.g. a "
+              f"{shards[0]}): the notebook receives this rank's shard of each, a plain tensor "
+              "(DTensor.to_local()). For whole tensors return t.full_tensor(), on every rank "
+              "(it is an all-gather): {k: v.full_tensor() for k, v in model.state_dict().items()}.",
+              file=sys.stderr)
     return buffer.getvalue()
+
+
+def _local_shard(tensor, shards: list[str]):
+    """A DTensor names its device mesh and process group, which the notebook does not have:
+    send this rank's shard of it instead, a plain tensor. Records what it replaced."""
+    module = sys.modules.get("torch.distributed.tensor") or sys.modules.get(
+        "torch.distributed._tensor")  # (torch < 2.5); not imported: fn made no DTensor
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None or not isinstance(tensor, dtensor):
+        return tensor
+    shards.append(f"DTensor of shape {tuple(tensor.shape)} placed {tensor.placements}")
+    return tensor.to_local()
 
 
 def _end_of_job(job_id: int) -> None:

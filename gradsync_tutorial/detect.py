@@ -243,12 +243,15 @@ def assert_ranks_agree_on(value: Any, what: str = "value") -> list:
 # --------------------------------------------------------------------------------------------
 
 #: The ``torch.distributed`` functions that :func:`count_collectives` counts (those that exist).
+#: torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to
+#: ``all_gather_single`` and ``reduce_scatter_single`` (FSDP2 calls the new names; an old name
+#: calls the new one, and counts once, as itself).
 COUNTED_FUNCTIONS = (
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
-    "all_gather_into_tensor", "all_gather_object", "gather", "gather_object", "scatter",
-    "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "all_gather_into_tensor", "all_gather_single", "all_gather_object", "gather",
+    "gather_object", "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )
 
 #: The key under which DDP's gradient bucket all-reduces are counted.
