@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 
 from . import common, evidence
@@ -130,14 +131,26 @@ def _not_one_all_reduce(run: Run) -> str | None:
             "flat tensor.")
 
 
+def _delivered_by_the_all_reduce(out: dict) -> torch.Tensor:
+    return evidence.delivered([c for c in out["calls"] if c.name == "all_reduce"][:1])
+
+
+def _what_arrived(run: Run, got: torch.Tensor) -> str | None:
+    """"sum" or "mean" if ``got`` is the ranks' gradients' sum or mean (as a flat tensor, in
+    any order), else None."""
+    expected = evidence.flatten(_expected(run)).double()
+    if got.numel() != expected.numel():
+        return None
+    return next((what for what, e in (("sum", expected * run.size), ("mean", expected))
+                 if evidence.among(e, got)), None)
+
+
 def _gradients_not_carried(run: Run) -> str | None:
     """The one all_reduce must carry every gradient: its result, the sum (or the mean)."""
     expected = evidence.flatten(_expected(run)).double()
     for rank, out in enumerate(run.outs):
-        call = next(c for c in out["calls"] if c.name == "all_reduce")
-        got = call.delivered
-        if got.numel() == expected.numel() and any(
-                evidence.among(e, got) for e in (expected * run.size, expected)):
+        got = _delivered_by_the_all_reduce(out)
+        if _what_arrived(run, got):
             continue
         return (f"the gradients are right, but on rank {rank} the all_reduce delivered "
                 f"{evidence.numbers_text(got)}, not the sum of "
@@ -153,9 +166,11 @@ DIAGNOSES = (_shape_error, _parameters_touched, _gradient_missing, _gradients_un
 def _verified(runs: Sequence[Run]) -> str:
     expected = _expected(runs[0])
     numbers = sum(t.numel() for t in expected.values())
+    arrived = sorted({_what_arrived(r, _delivered_by_the_all_reduce(o))
+                      for r in runs for o in r.outs})
     return (f"{common.sizes_text(runs)}, one all_reduce carried all {numbers:,} numbers of the "
-            f"{len(expected)} gradients and delivered their sum; every rank holds the mean "
-            "gradient, and the parameters are untouched.")
+            f"{len(expected)} gradients and delivered their {' or '.join(arrived)}; every rank "
+            "holds the mean gradient, and the parameters are untouched.")
 
 
 @common.exercise("02_manual_allreduce_averaging.ipynb", "average_gradients_flat(model)")

@@ -92,6 +92,11 @@ def _same_numbers_sent(run: Run) -> str | None:
 def _ranks_not_delivered(run: Run) -> str | None:
     expected = torch.arange(run.size, dtype=torch.float64)
     for rank, out in enumerate(run.outs):
+        sent = evidence.numbers([c.sent for c in out["calls"]])
+        if not evidence.among(torch.tensor([float(rank)]), sent):
+            return (f"rank {rank} did not send its own number through its collectives (it sent "
+                    f"{evidence.numbers_text(sent)}): each rank sends its rank, "
+                    "torch.tensor([rank]), with dist.all_gather.")
         if not evidence.among(expected, evidence.delivered(out["calls"])):
             return (f"rank {rank} returned the right list, but its collectives delivered "
                     f"{evidence.carried_text(out['calls'])}: not every rank's number, so the list "
