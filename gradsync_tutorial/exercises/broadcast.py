@@ -131,8 +131,7 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("03_distributed_data_parallel.ipynb", "broadcast_parameters(model)")
 def check_broadcast_parameters(
     broadcast_parameters: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``broadcast_parameters(model)``: afterwards every rank holds rank 0's parameters.
 
     Runs it on 2, then 3 ranks (``world_size``: another number, or several) whose models start

@@ -151,10 +151,10 @@ def _worker(rank: int, world_size: int, fn: Callable, folder: str) -> Any:
     keys = set(model.module.state_dict())
     with evidence.Recorder(fn) as calls, _CountingSave(fn, rank) as saves:
         common.attempt(fn, path, model, optimizer, epochs)
+    touched = (evidence.changed_text(before, _state(model, optimizer), "changed")
+               or (None if model.training else "switched the model to eval mode"))
     out: dict[str, Any] = {"saves": saves.calls, "exists": os.path.exists(path),
-                           "counts": dict(calls.calls), "epochs": epochs, "training":
-                           model.training, "touched": evidence.changed_text(
-                               before, _state(model, optimizer), "changed")}
+                           "counts": dict(calls.calls), "epochs": epochs, "touched": touched}
     dist.barrier()  # the check's own: from here on, the file is complete whatever fn did
     _train_steps(model, optimizer, rank, range(2, 4))  # the straight run goes on
     straight = evidence.params_of(model.module)
@@ -257,12 +257,9 @@ def _prefixed(run: Run) -> str | None:
                 "into a plain Net (for evaluation, or in a script without DDP).")
 
 
-def _touched(run: Run) -> str | None:
-    for rank, out in enumerate(run.outs):
-        if out["touched"] or not out["training"]:
-            what = out["touched"] or "switched the model to eval mode"
-            return (f"on rank {rank}, {run.name} {what}: a save must leave the run as it was, "
-                    "so that the run that goes on is the one the file records.")
+_touched = common.left_alone(
+    "touched", "a save must leave the run as it was, so that the run that goes on is the one "
+    "the file records.")
 
 
 def _not_resumed(run: Run) -> str | None:
@@ -297,8 +294,7 @@ def _verified(runs: Sequence[Run]) -> str:
                  "save_checkpoint(path, model, optimizer, epochs_done)")
 def check_save_checkpoint(
     save_checkpoint: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``save_checkpoint(path, model, optimizer, epochs_done)``: a run resumed from your
     file is exactly the run that never stopped.
 

@@ -57,8 +57,8 @@ from typing import Any
 from .. import LaunchTimeoutError, RankFailedError, launch
 from .._wording import require_int
 
-#: Seconds a check waits for your function on every rank (start-up included) before it calls
-#: it a hang. Pass ``timeout=`` to a check to change it.
+#: Seconds a check waits for your function on every rank, at each size (start-up included),
+#: before it calls it a hang. Pass ``timeout=`` to a check to change it.
 CHECK_TIMEOUT = 60.0
 #: The world sizes a check runs at by default, one launch each: 2 (the course's examples) and
 #: 3, so that any number a solution hard-codes in place of the world size is wrong at one.
@@ -198,9 +198,27 @@ class Run:
         """Rank 0's facts."""
         return self.outs[0]
 
+    def first(self, fact: str) -> tuple[int, Any]:
+        """(rank, value) of the first rank whose ``fact`` is there and true, else (None, None)."""
+        return next(((r, o[fact]) for r, o in enumerate(self.outs) if o.get(fact)), (None, None))
+
 
 #: A diagnosis: what is wrong with one run (a message for the learner), or None.
 Diagnosis = Callable[[Run], "str | None"]
+
+
+def left_alone(fact: str, advice: str) -> Diagnosis:
+    """A diagnosis for what the answer must not touch: the first rank whose ``fact`` is a text
+    ("changed the parameters: `conv1.weight` ..." from :func:`evidence.changed_text`) gets
+    "on rank <r>, <fn> <text>: <advice>"."""
+
+    def touched(run: Run) -> str | None:
+        rank, changed = run.first(fact)
+        if changed:
+            return f"on rank {rank}, {run.name} {changed}: {advice}"
+
+    touched.__name__ = touched.__qualname__ = f"_{fact}_left_alone"
+    return touched
 
 
 def diagnose(run: Run, diagnoses: Sequence[Diagnosis], right: Sequence[Run] = ()) -> None:
@@ -233,7 +251,8 @@ def sizes_text(runs: Sequence[Run]) -> str:
 
 
 # The world size the last check launched at last: `launch` keeps one pool of idle workers, of
-# that size, and a launch that finds it starts no process.
+# that size, and a launch that finds it starts no process. (A guess: a launch of another size
+# since then, in the notebook, has replaced that pool.)
 _last_launched: list[int] = []
 
 

@@ -45,8 +45,7 @@ def _expected(run: Run) -> dict:
 
 
 def _shape_error(run: Run) -> str | None:
-    rank, error = next(((r, o["shape_error"]) for r, o in enumerate(run.outs)
-                        if "shape_error" in o), (None, None))
+    rank, error = run.first("shape_error")
     if error:
         return (f"on rank {rank}, putting a piece of the flat tensor back into a gradient "
                 f"failed ({error.rstrip('.')}). A piece of the flat tensor is 1-D, (numel,), and "
@@ -54,13 +53,9 @@ def _shape_error(run: Run) -> str | None:
                 "shape, p.grad.copy_(piece.view_as(p.grad)).")
 
 
-def _parameters_touched(run: Run) -> str | None:
-    rank, changed = next(((r, o["params"]) for r, o in enumerate(run.outs) if o["params"]),
-                         (None, None))
-    if changed:
-        return (f"on rank {rank}, {run.name} {changed}: average the gradients only, and leave "
-                "the weights alone (the optimizer's step changes them, with the averaged "
-                "gradients).")
+_parameters_touched = common.left_alone(
+    "params", "average the gradients only, and leave the weights alone (the optimizer's step "
+    "changes them, with the averaged gradients).")
 
 
 def _gradient_missing(run: Run) -> str | None:
@@ -176,8 +171,7 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("02_manual_allreduce_averaging.ipynb", "average_gradients_flat(model)")
 def check_average_gradients_flat(
     average_gradients_flat: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``average_gradients_flat(model)``: every rank ends with the mean of the ranks'
     gradients in ``.grad``, after **one** ``all_reduce`` that carries them all.
 

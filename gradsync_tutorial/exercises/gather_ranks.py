@@ -118,8 +118,7 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("00_launching_workers.ipynb", "gather_ranks(rank, world_size)")
 def check_gather_ranks(
     gather_ranks: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``gather_ranks(rank, world_size)``: every rank returns ``[0, 1, ..., N - 1]``,
     learned from the other ranks with ``dist.all_gather``.
 

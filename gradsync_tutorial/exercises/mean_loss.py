@@ -193,8 +193,7 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("04_pitfalls.ipynb", "global_mean_loss(losses)")
 def check_global_mean_loss(
     global_mean_loss: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``global_mean_loss(losses) -> float``: the mean loss over *every* rank's samples,
     the same float on every rank, when the ranks hold different numbers of samples.
 

@@ -46,7 +46,8 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
         steps = [_step(model, x, y, finish, calls) for x, y in batches]
     return {"steps": steps, "expected": expected,
             "params": evidence.changed_text(params, evidence.params_of(model),
-                                          "changed the parameters:")}
+                                            f"changed the parameters in {STEPS} steps of "
+                                            "backward and finish():")}
 
 
 def _steps(run: Run):
@@ -67,13 +68,8 @@ def _finish_not_returned(run: Run) -> str | None:
                 "after `def finish(): ...`, without calling it.")
 
 
-def _parameters_touched(run: Run) -> str | None:
-    rank, changed = next(((r, o["params"]) for r, o in enumerate(run.outs) if o["params"]),
-                         (None, None))
-    if changed:
-        return (f"on rank {rank}, in {STEPS} steps of backward and finish(), {run.name} "
-                f"{changed}: average the gradients only (the optimizer's step changes the "
-                "weights).")
+_parameters_touched = common.left_alone(
+    "params", "average the gradients only (the optimizer's step changes the weights).")
 
 
 def _nothing_during_backward(run: Run) -> str | None:
@@ -166,8 +162,7 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("05_performance.ipynb", "average_overlapped(model)")
 def check_average_overlapped(
     average_overlapped: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES, *,
-    timeout: float = common.CHECK_TIMEOUT,
-) -> str:
+    timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``average_overlapped(model) -> finish``: hooks that start every gradient's
     ``all_reduce`` asynchronously *during* backward, and a ``finish()`` that waits and divides.
 
