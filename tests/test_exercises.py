@@ -512,7 +512,8 @@ WRONG = [
      r"Yours is the sum of all losses divided by the world size; divide by the number of "
      r"samples, \d+ in all"),
     ("global_mean_loss", "hard-coded count", _mean_loss("hard-coded count"),
-     r"every rank returned .*; the mean over all \d+ samples is"),
+     ON_2 + r"every rank returned .*; the mean over all \d+ samples is .* Yours is the sum of all "
+            r"losses divided by 100: the ranks hold \d+ samples in all"),
     ("global_mean_loss", "returns a tensor", _mean_loss("tensor"),
      r"rank 0 returned a tensor, tensor\(.*return a float \(`\.item\(\)`\)"),
     ("global_mean_loss", "through files, one dummy all_reduce",
@@ -562,8 +563,9 @@ WRONG = [
     ("save_checkpoint", "DDP's prefix", _save(prefixed=True),
      r"your model state dict's names start with 'module\.'"),
     ("save_checkpoint", "objects", _save(objects=True),
-     r"torch\.load\(path, weights_only=True\) cannot read your file: .*not the model or "
-     r"optimizer objects"),
+     ON_2 + r"torch\.load\(path, weights_only=True\) cannot read your file: it holds a "
+            r"torch\.optim\.sgd\.SGD object\. Save state dicts.*not the model or optimizer "
+            r"objects"),
     ("save_checkpoint", "zeroes the parameters", _save(then="zeroes the parameters"),
      ON_2 + r"on rank 0, save_checkpoint changed `conv1\.weight`.*a save must leave the run"),
     ("save_checkpoint", "nothing written", _forgot_to_save,

@@ -5,6 +5,7 @@ model, optimizer, epochs_done)`` writes a file that a resumed run continues from
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -122,6 +123,16 @@ def _pieces(saved: Any, keys: set, rng: torch.Tensor, epochs: int) -> dict[str, 
     return found
 
 
+def _load_error(e: Exception) -> str:
+    """What torch.load refused, in a line: the object it met ("it holds a
+    torch.optim.sgd.SGD"), not torch's advice to load with weights_only=False."""
+    refused = re.search(r"Unsupported (?:global: GLOBAL|class) ([\w.]+)", str(e))
+    if refused:
+        return f"it holds a {refused.group(1)} object"
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0]:.200}" if str(e).strip() else (
+        type(e).__name__)
+
+
 def _resume(found: dict, rank: int, out: dict) -> dict[str, torch.Tensor]:
     """A restart: seed, build, load what the file holds, go on with the same 2 steps."""
     model, optimizer = _ddp_net()
@@ -163,7 +174,7 @@ def _worker(rank: int, world_size: int, fn: Callable, folder: str) -> Any:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- reported to the learner
-        return {**out, "load_error": f"{type(e).__name__}: {str(e).splitlines()[0]:.200}"}
+        return {**out, "load_error": _load_error(e)}
     found = _pieces(saved, keys, rng, epochs)
     out["found"] = {k: where for k, (where, _) in found.items()}
     out["momentum"] = "optimizer" in found and any(

@@ -146,8 +146,12 @@ def _not_the_mean(run: Run) -> str | None:
     t, got = _Totals(run.out["losses"]), run.out["result"]
     if _same(got, t.expected):
         return None
-    hint = next((what for value, what in t.usual_mistakes() if _same(got, value)),
-                f"not any of the usual mistakes (ranks' samples: {t.sizes}).")
+    k = t.total / got if got else 0.0
+    fixed = (f"the sum of all losses divided by {round(k)}: the ranks hold {t.n} samples in all "
+             f"({t.sizes}), a number that changes; all_reduce the count too."
+             if abs(k - round(k)) < 1e-4 and round(k) > 0 else
+             f"not any of the usual mistakes (ranks' samples: {t.sizes}).")
+    hint = next((what for value, what in t.usual_mistakes() if _same(got, value)), fixed)
     return (f"every rank returned {got:.6g}; the mean over all {t.n} samples is "
             f"{t.expected:.6g}. Yours is {hint}")
 
