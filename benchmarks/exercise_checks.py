@@ -62,6 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     times: dict[str, list[tuple[float, float]]] = {n: [] for n in args.names}
+    floor()  # so that the first round starts, as the others do, with idle workers of one size
     for _ in range(args.rounds):
         for name in args.names:
             launches = floor() if name != "accumulate_gradients" else 0.0  # runs in-process
