@@ -14,8 +14,12 @@ size launched last.
 
 from __future__ import annotations
 
+import os
 import re
 import runpy
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +34,18 @@ from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed
 from .conftest import REPO
 
 SOLUTIONS = REPO / "notebooks" / "solutions"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_files_left():
+    """The wrong answers that exchange data through files write them under the temporary
+    folder, named after this process (the ranks' parent): remove them afterwards."""
+    yield
+    for path in Path(tempfile.gettempdir()).glob(f"gradsync-cheat-{os.getpid()}*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def solution(name: str):
