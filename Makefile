@@ -55,6 +55,7 @@ bench: data
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/epoch_time.py
 	$(BIN)/python benchmarks/averaging.py
+	$(BIN)/python benchmarks/exercise_checks.py
 
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)

@@ -245,6 +245,11 @@ def check_data() -> Check:
         )
     except data.DataError as e:  # present but unusable: named file, and what to do
         return Check("data", "FAIL", e.problem, e.fix)
+    except OSError as e:  # the folder cannot be read: say so, with the fix (not "report this")
+        return Check("data", "FAIL", f"the data folder cannot be read: {e.strerror or e} "
+                     f"({e.filename or data.DEFAULT_ROOT})",
+                     "point the GRADSYNC_DATA environment variable at a folder you may read "
+                     "and write, or unset it, then run `make data`.")
     train, test = shapes["train-images-idx3-ubyte"][0], shapes["t10k-images-idx3-ubyte"][0]
     return Check("data", "ok", f"Fashion-MNIST in {raw} (4 files checked: {train:,} training "
                  f"and {test:,} test images)")

@@ -19,7 +19,7 @@ from gradsync_tutorial import data, doctor, launcher
 from gradsync_tutorial.doctor import Check
 
 from .conftest import REPO
-from .test_data import DAMAGES, _damage, fake_files, write_unpacked
+from .test_data import DAMAGES, _damage, _not_a_folder, fake_files, write_unpacked
 
 
 def test_the_command_passes_on_this_machine():
@@ -95,6 +95,30 @@ def test_missing_data_fails_with_make_data(monkeypatch, tmp_path):
     assert f"Fashion-MNIST is not in {tmp_path}" in check.detail
     assert "missing train-images-idx3-ubyte" in check.detail
     assert "`make data`" in check.fix and "GRADSYNC_DATA" in check.fix
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "a symbolic link loop"])
+def test_gradsync_data_that_cannot_be_a_folder_fails_with_its_fix(monkeypatch, tmp_path, kind):
+    """It was "the check itself failed: NotADirectoryError ... report this to your instructor"."""
+    root, says = _not_a_folder(tmp_path, kind)
+    monkeypatch.setenv("GRADSYNC_DATA", str(root))
+    check = doctor._run("data", doctor.check_data)
+    assert check.failed
+    assert check.detail.startswith(f"GRADSYNC_DATA ({root}) {says}")
+    assert check.fix.startswith(("point GRADSYNC_DATA at a folder", "remove or repair the link"))
+    assert "report this" not in check.fix and "the check itself failed" not in check.detail
+
+
+def test_an_unreadable_data_folder_fails_with_its_fix(monkeypatch):
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/srv/course-data")
+
+    monkeypatch.setattr(data, "ensure_files", refused)
+    check = doctor._run("data", doctor.check_data)
+    assert check.failed
+    assert check.detail == ("the data folder cannot be read: Permission denied "
+                            "(/srv/course-data)")
+    assert "GRADSYNC_DATA" in check.fix and "report this" not in check.fix
 
 
 def test_truncated_data_fails_with_delete_and_fetch_again(monkeypatch, tmp_path):

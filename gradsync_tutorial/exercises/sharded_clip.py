@@ -15,18 +15,16 @@ from typing import Any
 
 import torch
 
+from ..detect import CollectiveCounter
 from .common import (
     CHECK_TIMEOUT,
     STUB,
-    CollectiveCounter,
-    divisor_hint,
     exercise,
     fail,
-    fresh_seed,
     name_of,
     run_on_ranks,
-    times_text,
 )
+from .evidence import divisor_hint, fresh_seed, times_text
 
 #: The world sizes a check runs on, in turn: 3 shows a hard-coded 2.
 WORLD_SIZES = (2, 3)

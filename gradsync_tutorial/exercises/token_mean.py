@@ -27,20 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..detect import CollectiveCounter
 from .common import (
     CHECK_TIMEOUT,
-    SEED,
     STUB,
-    CollectiveCounter,
-    calls_text,
     exercise,
     fail,
-    fresh_seed,
-    is_number,
     name_of,
     run_on_ranks,
-    times_text,
 )
+from .evidence import SEED, calls_text, fresh_seed, is_number, times_text
 
 #: The world sizes a check runs at, and the micro-batches per rank at each: neither is the
 #: notebook's 2 and 2 together, and no number is the same at both sizes.
