@@ -7,6 +7,9 @@
 # make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
 #   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
+# make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
+#   checks of notebooks 01-03 and 07-09 on the GPUs, one table for the README (~10 min; every
+#   part skipped, with the reason, without a GPU). PY= as for make notebooks.
 # make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
@@ -17,7 +20,7 @@ DATA_FLAGS ?=
 PY     ?= $(BIN)/python
 NB     ?=
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks images
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images gpu-check
 
 install: $(STAMP)
 
@@ -52,6 +55,9 @@ bench: data
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) scripts/notebooks.py $(NB)
+
+gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) -m tests.gpu.check
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py
