@@ -47,9 +47,10 @@ def init_distributed():
     """
     local_rank = int(os.environ["LOCAL_RANK"])
     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
-        torch.cuda.set_device(local_rank)      # before init: nccl and *_object calls use it
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
 

@@ -152,12 +152,16 @@ def test_init_distributed_picks_nccl_only_with_a_gpu_for_every_local_rank(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
-    monkeypatch.setattr(module.dist, "init_process_group", lambda b: calls.append(("init", b)))
+    monkeypatch.setattr(module.dist, "init_process_group",
+                        lambda b, device_id=None: calls.append(("init", b, device_id)))
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
     assert module.init_distributed() == torch.device(device)
-    expected = [("set_device", local_rank)] if backend == "nccl" else []
-    assert calls == [*expected, ("init", backend)]
+    if backend == "nccl":  # the group bound to the rank's GPU: barrier() uses it too
+        gpu = torch.device(device)
+        assert calls == [("set_device", gpu), ("init", "nccl", gpu)]
+    else:
+        assert calls == [("init", "gloo", None)]
     assert gst.local_device() == torch.device(device)  # the notebooks' rule
 
 
