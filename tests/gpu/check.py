@@ -103,11 +103,10 @@ def plan(gpus: int) -> list[Part]:
                                 "--checkpoint", "resumed.pt", "--resume") for e in (1, 2)]
                       + [torchrun(ranks, scripts / "train_ddp.py", "--smoke", "--epochs", "2",
                                   "--checkpoint", "straight.pt")], timeout=180))
-    kernel = "notebook: cuda:0; ranks: " + (f"nccl on cuda when world_size <= {gpus}, else "
-                                            "gloo on cpu" if gpus else "cuda")
+    kernel = f"kernel cuda:0; ranks on cuda up to {gpus}, more on cpu"
     for number in NOTEBOOKS:
         for notebook in sorted((REPO / "notebooks").glob(f"{number}_*.ipynb")):
-            parts.append(Part("notebook", f"notebooks/{notebook.name}", 0, kernel, "auto",
+            parts.append(Part("notebook", f"notebooks/{notebook.name}", 0, kernel, "nccl / gloo",
                               [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                 str(notebook)]], timeout=180, env={"SMOKE_TEST": "1"}))
     return parts
