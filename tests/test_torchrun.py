@@ -408,19 +408,22 @@ def _load_on_a_rank(rank, world_size, script, path):
     return None
 
 
+BAD_CHECKPOINTS = ["empty", "truncated", "corrupt", "another program's", "another layout",
+                   "another model"]
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS)
 @pytest.mark.parametrize("script", ["train_manual.py", "train_ddp.py"])
-def test_resume_says_what_is_wrong_with_each_bad_checkpoint(straight, tmp_path, script):
-    """Each file gets one sentence: which file, what is wrong with it, what to do (on main:
-    torch's raw EOFError, KeyError, RuntimeError or weights_only advice)."""
-    bad = _bad_checkpoints(tmp_path, straight("train_ddp.py")[1])
-    for name, (path, say) in bad.items():
-        message = gst.launch(_load_on_a_rank, 1, args=(SCRIPTS / script, str(path)))[0]
-        assert message is not None, f"{name}: loaded without an error"
-        assert message.startswith(f"--resume: cannot continue from {path}: {say}"), (
-            f"{name}: {message}")
-        assert message.endswith(f"Delete it to start from scratch (rm {path}), or give "
-                                "--checkpoint a checkpoint this script saved."), message
-        assert "weights_only" not in message and "github" not in message.lower(), message
+def test_resume_says_what_is_wrong_with_a_bad_checkpoint(straight, tmp_path, script, case):
+    """One sentence: which file, what is wrong with it, what to do (on main: torch's raw
+    EOFError, KeyError, RuntimeError, or its weights_only advice)."""
+    path, say = _bad_checkpoints(tmp_path, straight("train_ddp.py")[1])[case]
+    message = gst.launch(_load_on_a_rank, 1, args=(SCRIPTS / script, str(path)))[0]
+    assert message is not None, f"{case}: loaded without an error"
+    assert message.startswith(f"--resume: cannot continue from {path}: {say}"), message
+    assert message.endswith(f"Delete it to start from scratch (rm {path}), or give "
+                            "--checkpoint a checkpoint this script saved."), message
+    assert "weights_only" not in message and "github" not in message.lower(), message
 
 
 def test_resume_on_another_number_of_ranks_goes_on_and_says_so(straight, tmp_path, capfd):
