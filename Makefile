@@ -11,6 +11,9 @@
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
 # make site  - the course as a website, from the committed notebooks (no execution), into
 #   build/site/html/ (installs the `site` extra; docs/build.py). PY= works as for notebooks.
+# make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
+#   checks of notebooks 01-03 and 07-09 on the GPUs, one table for the README (~10 min; every
+#   part skipped, with the reason, without a GPU). PY= as for make notebooks.
 # make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
@@ -23,7 +26,7 @@ NB     ?=
 LAB_ARGS ?=
 SITE_STAMP := $(VENV)/.installed-site
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks images site
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images site gpu-check
 
 install: $(STAMP)
 
@@ -67,6 +70,9 @@ $(SITE_STAMP): $(STAMP)
 
 site: $(if $(filter $(BIN)/python,$(PY)),$(SITE_STAMP))
 	$(PY) docs/build.py build/site
+
+gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) -m tests.gpu.check
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py

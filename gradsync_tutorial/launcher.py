@@ -48,7 +48,9 @@ A job on a warm worker starts as it would in a fresh interpreter, as far as glob
 training code commonly changes goes: the environment (the notebook's, plus torchrun's
 variables), the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``; torch's grad
 mode (on), default dtype (float32) and default device, deterministic algorithms and anomaly
-detection (off), cudnn flags, print options and thread count; fresh random seeds for torch,
+detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so that
+GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options and
+thread count; fresh random seeds for torch,
 ``random`` and numpy (as a new process gets: seed inside ``fn`` for reproducible runs); the
 warnings filters (and which warnings were already shown); signal handlers; the recursion limit;
 and any function of ``builtins``, ``torch``, ``torch.distributed`` or ``torch.nn.functional``

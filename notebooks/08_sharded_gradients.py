@@ -914,12 +914,17 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #
 #
 # def init_distributed():
-#     """Join the group torchrun prepared (it set RANK, WORLD_SIZE, MASTER_ADDR...)."""
+#     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+#
+#     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     """
 #     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() > local_rank:
-#         torch.cuda.set_device(local_rank)      # before init: nccl uses this GPU
-#         dist.init_process_group("nccl")
-#         return torch.device("cuda", local_rank)
+#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#         device = torch.device("cuda", local_rank)
+#         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+#         dist.init_process_group("nccl", device_id=device)  # barrier() too
+#         return device
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #
