@@ -9,7 +9,7 @@ One module per concept: ``launcher`` (``launch``: run a notebook function on N r
 (Fashion-MNIST as in-memory tensors), ``model`` (the course's CNN), ``checks`` (are the
 replicas equal?), ``plots`` (per-rank loss curves), ``detect`` (notebook 04's bug detectors),
 ``averaging`` (notebook 05's averaging variants), ``exercises`` (the exercises' self-checks).
-Submodules are imported on first use, so that ``python -m gradsync_tutorial._worker`` starts
+Submodules are imported on first use, so that ``python -m gradsync_tutorial.launcher.worker`` starts
 without paying for matplotlib.
 """
 

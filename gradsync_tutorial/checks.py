@@ -207,7 +207,7 @@ def assert_replicas_equal(
         ...     gst.checks.assert_replicas_equal(model)
         >>> gst.launch(step, world_size=2)
         Traceback (most recent call last):
-        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: replicas
+        gradsync_tutorial.launcher.errors.RankFailedError: rank ... raised AssertionError: replicas
         differ: 'conv1.weight' on rank 1 differs from rank 0's by up to ...
 
     Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.

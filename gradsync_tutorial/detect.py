@@ -174,7 +174,7 @@ def assert_disjoint_shards(
         ...     gst.detect.assert_disjoint_shards(shard)
         >>> gst.launch(epoch, world_size=2)
         Traceback (most recent call last):
-        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: the
+        gradsync_tutorial.launcher.errors.RankFailedError: rank ... raised AssertionError: the
         ranks' shards overlap: ...
 
     Introduced in ``notebooks/04_pitfalls.ipynb``.

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def worker_pids() -> list[int]:
-    """PIDs of live ``gradsync_tutorial._worker`` processes started by this process.
+    """PIDs of live worker processes (``python -m WORKER_MODULE``) started by this process.
 
     Read from /proc on Linux; elsewhere (macOS, Windows: the public CI) through psutil.
     """
@@ -20,7 +22,7 @@ def worker_pids() -> list[int]:
 
         return [p.pid for p in psutil.Process().children()
                 if p.status() != psutil.STATUS_ZOMBIE
-                and "gradsync_tutorial._worker" in " ".join(p.cmdline())]
+                and WORKER_MODULE in " ".join(p.cmdline())]
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -32,7 +34,7 @@ def worker_pids() -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         state = stat.rsplit(")", 1)[1].split()[0]
-        if b"gradsync_tutorial._worker" in cmdline and ppid == os.getpid() and state != "Z":
+        if WORKER_MODULE.encode() in cmdline and ppid == os.getpid() and state != "Z":
             pids.append(int(proc.name))
     return pids
 

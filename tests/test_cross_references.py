@@ -69,7 +69,6 @@ def test_every_notebook_number_named_exists(path):
 #: Public modules that name no notebook, and why.
 NOT_TAUGHT = {
     "doctor.py": "run once before the course (make doctor), and says so",
-    "launch_errors.py": "part of launch, whose module (launcher.py) names notebook 00",
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
+from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, run
 
 from .conftest import REPO, pid_alive, worker_pids
 
@@ -62,7 +62,7 @@ def test_worker_environment_is_torchruns():
         }
 
     results = gst.launch(fn, world_size=2)
-    cores = gst.launcher._cpu_count()  # the cores this process may use, on every platform
+    cores = run._cpu_count()  # the cores this process may use, on every platform
     for rank, env in enumerate(results):
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank) == str(env["dist_rank"])
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
@@ -249,9 +249,9 @@ def test_rank_dies_without_result(how, expected):
 def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
     """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
     sees rank 1's process end; rank 1 is still the story."""
-    from gradsync_tutorial._messages import Raised
-    from gradsync_tutorial._processes import _exit_failure, _JobState
-    from gradsync_tutorial.launch_errors import _blame, _rank_failed_error
+    from gradsync_tutorial.launcher.errors import _blame, _rank_failed_error
+    from gradsync_tutorial.launcher.pool import _exit_failure, _JobState
+    from gradsync_tutorial.launcher.protocol import Raised
 
     state = _JobState(1)
     state.sent = True
@@ -295,7 +295,7 @@ def test_timeout_counts_from_ready_ranks_not_from_start_up():
 
 
 def test_workers_that_do_not_start_in_time_are_reported(monkeypatch):
-    monkeypatch.setattr(gst.launcher, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
+    monkeypatch.setattr(run, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
     gst.shutdown_workers()
     with pytest.raises(LaunchTimeoutError, match="worker processes did not start within 0.2 s"):
         gst.launch(_ok, world_size=2, timeout=0.2)

@@ -14,8 +14,8 @@ import time
 import pytest
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launch_errors import Failure, _blame, _fold_cpp_frames, _rank_failed_error
 from gradsync_tutorial.launcher import RankFailedError
+from gradsync_tutorial.launcher.errors import Failure, _blame, _fold_cpp_frames, _rank_failed_error
 
 from .conftest import worker_pids
 
@@ -57,7 +57,7 @@ def test_blame_reads_the_lost_peer_field_only():
 
 
 def test_the_worker_decides_lost_peer_from_where_the_error_was_raised():
-    from gradsync_tutorial._worker import _lost_peer
+    from gradsync_tutorial.launcher.worker import _lost_peer
 
     assert not _lost_peer(TypeError("peer"), "peer")
     # A RuntimeError with the words, but raised in the user's code, not in torch.distributed.

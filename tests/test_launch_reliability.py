@@ -24,8 +24,10 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial import _processes, _worker, launcher
 from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
+from gradsync_tutorial.launcher import pool as _processes
+from gradsync_tutorial.launcher import run as launcher
+from gradsync_tutorial.launcher import worker as _worker
 
 from .conftest import REPO, pid_alive, worker_pids
 

@@ -1,7 +1,7 @@
 """The worker processes behind :func:`gradsync_tutorial.launch`, seen from the launcher.
 
 :class:`_Workers` starts ``world_size`` fresh interpreters (``python -m
-gradsync_tutorial._worker``) and accepts their token-authenticated connections. It forwards
+gradsync_tutorial.launcher.worker``) and accepts their token-authenticated connections. It forwards
 every line they print into the calling cell as ``[rank r] ...``, collects their messages into a
 :class:`_JobState`, and stops them: each rank with every process below it, even one that left
 its process group or session (SIGTERM, then SIGKILL). The launcher waits for everything through
@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ._messages import Finished, Raised, Ready, StackReport
-from ._worker import END_MARK
-from .launch_errors import Failure, _with_cell_labels
+from .errors import Failure, _with_cell_labels
+from .protocol import WORKER_MODULE, Finished, Raised, Ready, StackReport
+from .worker import END_MARK
 
 GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
 READER_JOIN_SECONDS = 2.0  # how long stopping waits for the output readers, all together
@@ -92,7 +92,7 @@ class _Workers:
             env["GRADSYNC_TOKEN"] = self.tokens[rank].hex()
             env["GRADSYNC_END_MARK"] = self.marks[rank]
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gradsync_tutorial._worker"],
+                [sys.executable, "-m", WORKER_MODULE],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, **_popen_kwargs(),
             )

@@ -23,7 +23,7 @@ How it works, and why not torch's own launchers
   path to a file.
 
 So this module starts **fresh interpreters** itself with :mod:`subprocess` and pipes
-(``python -m gradsync_tutorial._worker``), sends them ``fn`` serialized *by value* with
+(``python -m gradsync_tutorial.launcher.worker``), sends them ``fn`` serialized *by value* with
 ``cloudpickle``, and reads every line they print back into the calling cell, tagged
 ``[rank r]``. What torch does well it keeps: the workers get torchrun's environment (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
@@ -86,11 +86,9 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from . import _where
-from ._messages import PRIVATE_ENV, Job, StackRequest, Teardown
-from ._processes import _Deadline, _JobState, _Workers
-from ._wording import require_int
-from .launch_errors import (
+from .._wording import require_int
+from . import hang_report as _where
+from .errors import (
     HANG_HINT,
     Failure,
     LaunchError,
@@ -99,7 +97,9 @@ from .launch_errors import (
     _rank_failed_error,
     _timeout_error,
 )
-from .launch_errors import _file_label as _cell_label
+from .errors import _file_label as _cell_label
+from .pool import _Deadline, _JobState, _Workers
+from .protocol import PRIVATE_ENV, Job, StackRequest, Teardown
 
 __all__ = [
     "HANG_HINT",

@@ -1,11 +1,11 @@
 """What the launcher and a worker say to each other, one small class per message.
 
-The launcher (:mod:`gradsync_tutorial._processes`) and each worker
-(:mod:`gradsync_tutorial._worker`) exchange these over a
+The launcher (:mod:`gradsync_tutorial.launcher.pool`) and each worker
+(:mod:`gradsync_tutorial.launcher.worker`) exchange these over a
 :class:`multiprocessing.connection.Connection`, which pickles them. Both sides import this
 module, so it imports nothing heavy (no torch).
 
-    >>> from gradsync_tutorial._messages import Finished
+    >>> from gradsync_tutorial.launcher.protocol import Finished
     >>> Finished(job_id=1, result=b"...").job_id
     1
 
@@ -16,6 +16,9 @@ Worker -> launcher: :class:`Finished`, :class:`Raised`, :class:`Ready`, :class:`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: What the launcher runs for each rank, ``python -m WORKER_MODULE`` (tests look for it too).
+WORKER_MODULE = "gradsync_tutorial.launcher.worker"
 
 # The launcher's own variables for a worker (where to connect, its token): never passed on to
 # a job. Every other variable of the notebook's environment reaches the ranks (GRADSYNC_DATA...).

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ._wording import ranks as _ranks
+from .._wording import ranks as _ranks
 
 if TYPE_CHECKING:
-    from ._processes import _JobState
+    from .pool import _JobState
 
 __all__ = ["HANG_HINT", "Failure", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
 
@@ -44,7 +44,7 @@ class Failure:
     connection closed -- usually a *consequence* of another rank's failure. ``stderr_tail``:
     the rank's last lines on stderr.
 
-        >>> from gradsync_tutorial.launch_errors import Failure
+        >>> from gradsync_tutorial.launcher.errors import Failure
         >>> str(Failure(1, "exited", exit_code=3))
         'rank 1 exited with code 3 before returning a result'
     """
