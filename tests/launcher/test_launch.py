@@ -22,7 +22,7 @@ import torch
 import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, run
 
-from .conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, pid_alive, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 # Signals (SIGKILL, SIGABRT), process groups and sessions: POSIX only.

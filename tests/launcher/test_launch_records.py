@@ -17,7 +17,7 @@ import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import RankFailedError
 from gradsync_tutorial.launcher.errors import Failure, _blame, _fold_cpp_frames, _rank_failed_error
 
-from .conftest import worker_pids
+from ..conftest import worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 

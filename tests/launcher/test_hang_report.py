@@ -14,7 +14,7 @@ import pytest
 import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import LaunchTimeoutError
 
-from .conftest import worker_pids
+from ..conftest import worker_pids
 from .test_own_group import cell
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")

@@ -23,7 +23,7 @@ import torch
 import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import RankFailedError
 
-from .conftest import worker_pids
+from ..conftest import worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 

@@ -29,7 +29,7 @@ from gradsync_tutorial.launcher import pool as _processes
 from gradsync_tutorial.launcher import run as launcher
 from gradsync_tutorial.launcher import worker as _worker
 
-from .conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, pid_alive, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
