@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._wording import plural
+from .device import gpu_count, local_device
 
 __all__ = [
     "REFERENCE_EPOCH_SECONDS",
@@ -177,17 +178,11 @@ def check_torch() -> Check:
     return Check("torch", "ok", detail)
 
 
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def check_devices() -> Check:
     """The CUDA GPUs (information only: the course runs on CPUs too)."""
     import torch
 
-    gpus = _gpu_count()
+    gpus = gpu_count()
     if not gpus:
         cores = os.cpu_count() or 1
         return Check("devices", "info", f"no CUDA GPU: the notebooks run on the CPU ({cores} "
@@ -211,11 +206,11 @@ def check_backends() -> Check:
     if not gloo:
         return Check("backends", "FAIL", detail, "the course needs gloo, which every official "
                      "torch build includes: " + INSTALL_FIX)
-    if _gpu_count() >= 2 and not nccl:
+    if gpu_count() >= 2 and not nccl:
         return Check("backends", "warn", detail + " although there are GPUs (nccl exists on "
                      "Linux only): launches with a GPU per rank pick nccl; pass backend='gloo' "
                      "to gst.launch")
-    if not _gpu_count():
+    if not gpu_count():
         detail += " (nccl is only used with a GPU per rank)"
     return Check("backends", "ok", detail)
 
@@ -275,8 +270,6 @@ def _smoke(rank: int, world_size: int) -> tuple[float, str]:
     """What every notebook does first: each rank contributes rank + 1, all receive the sum."""
     import torch
     import torch.distributed as dist
-
-    from .launcher import local_device
 
     t = torch.tensor([rank + 1.0], device=local_device())
     dist.all_reduce(t)
@@ -345,7 +338,7 @@ def measure_epoch(steps: int = TIMING_STEPS) -> Check:
 
     from .model import Net
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = local_device()  # the rule every notebook uses: here, rank 0 of 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Net().to(device)

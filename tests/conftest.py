@@ -56,9 +56,13 @@ def pid_alive(pid: int) -> bool:
 
 @pytest.fixture
 def no_workers_left():
-    """After the test: no worker of this process is alive, idle pool included."""
+    """After the test: no worker of this process is alive, idle pool included.
+
+    Idle workers that an earlier test file kept are stopped first: they are not this test's.
+    """
     import gradsync_tutorial as gst
 
+    gst.shutdown_workers()
     yield
     gst.shutdown_workers()
     assert worker_pids() == []

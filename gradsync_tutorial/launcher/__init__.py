@@ -29,7 +29,6 @@ import importlib
 _EXPORTS = {
     "launch": "run",
     "shutdown_workers": "run",
-    "local_device": "run",
     "LaunchError": "errors",
     "RankFailedError": "errors",
     "LaunchTimeoutError": "errors",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .._wording import ranks as _ranks
+from ..device import gpu_count
 
 if TYPE_CHECKING:
     from .pool import _JobState
@@ -196,18 +197,12 @@ def _rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailed
 def _hint(failure: Failure) -> str:
     """What to do about a few errors a learner meets when bringing code from elsewhere."""
     text = f"{failure.exc_type}: {failure.message}"
-    if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not _has_gpu():
+    if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not gpu_count():
         return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none: put "
                 "tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "
                 "GPU per rank, else the CPU) instead of .cuda() or f'cuda:{rank}', and use "
                 "backend 'auto' (nccl with GPUs, gloo without), so the same code runs on both.")
     return ""
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _rebuild(pickled: bytes | None) -> BaseException | None:

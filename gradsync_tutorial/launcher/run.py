@@ -87,6 +87,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._wording import require_int
+from ..device import backend_for
 from . import hang_report as _where
 from .errors import (
     HANG_HINT,
@@ -108,7 +109,6 @@ __all__ = [
     "LaunchTimeoutError",
     "RankFailedError",
     "launch",
-    "local_device",
     "shutdown_workers",
 ]
 
@@ -295,40 +295,6 @@ def _takes_no_arguments(sig: inspect.Signature) -> bool:
                for p in sig.parameters.values())
 
 
-def _resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
-    """Return (backend, device): nccl + cuda with a GPU per rank, else gloo + cpu."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = "cuda" if gpus >= world_size else "cpu"
-    if backend == "auto":
-        return ("nccl" if device == "cuda" else "gloo"), device
-    if backend == "nccl" and device != "cuda":
-        raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size}, "
-                         f"GPUs found: {gpus}. Use backend='gloo' (runs on the CPU) or "
-                         "backend='auto', or lower world_size.")
-    return backend, device
-
-
-def local_device():
-    """This rank's device: ``cuda:LOCAL_RANK`` when there is a GPU per local rank, else CPU.
-
-    The rule ``launch`` uses to pick nccl or gloo; it reads the same variables under
-    ``torchrun``, so training code that calls it moves to a script unchanged.
-
-        >>> import gradsync_tutorial as gst
-        >>> gst.local_device()          # in the notebook itself: rank 0 of 1
-        device(type='cpu')
-    """
-    import torch
-
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def _serialize(fn, args) -> tuple[bytes, dict[str, list[str]]]:
     """``fn`` and ``args`` by value, and the source lines of notebook cells they come from."""
     pickler_class = _pickler_class()
@@ -491,7 +457,7 @@ def launch(
     __tracebackhide__ = True
     show_ranks = _ranks_to_show(show_ranks)  # read once: it may be a generator
     _check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
-    backend, device = _resolve_backend(backend, world_size)
+    backend, device = backend_for(backend, world_size)  # the one device rule (device.py)
     payload, sources = _serialize(fn, args)
     num_threads = num_threads or max(1, _cpu_count() // world_size)
 
