@@ -5,13 +5,21 @@ Introduced in ``notebooks/00_launching_workers.ipynb``. The notebooks meet it as
 ``gst.RankFailedError`` and ``gst.LaunchTimeoutError``; everything else in this folder is
 machinery that a lesson never opens:
 
-* ``run``: :func:`launch`, the story of one launch from the call to the results;
-* ``pool``: the worker processes seen from the launcher (their output, messages, stopping);
+* ``run``: :func:`launch`, the story of one launch from the call to the results, and the idle
+  workers kept between launches (:func:`shutdown_workers`);
+* ``preflight``: the call checked before any process starts;
+* ``cells``: functions from notebook cells, sent with their lines and named ``Cell In[n]``;
+* ``pool``: the worker processes seen from the launcher (output, messages, the steps of a job)
+  and what it knows of a job (results, failure records);
+* ``process_tree``: stopping a rank and every process below it, per platform;
 * ``worker``: the worker's own side, ``python -m gradsync_tutorial.launcher.worker``;
-* ``protocol``: the messages the two sides exchange;
-* ``errors``: the failure records and the errors raised from them;
+* ``protocol``: what the two sides say to each other, and the names they share;
+* ``errors``: the failure records' wording and the errors raised from them;
 * ``hang_report``: where each rank was when a launch timed out;
 * ``own_group``: ``fn``'s own ``init_process_group``, inside a launch.
+
+Imports go one way, from ``run`` down to ``protocol``; nothing here imports ``run``, and only
+``worker`` (with ``hang_report`` and ``own_group``, which it uses) runs in the ranks.
 
 Names are resolved on first use (as in the package itself), so that the worker, which imports
 this folder too, loads only what it needs.

@@ -1,4 +1,5 @@
-"""What the launcher and a worker say to each other, one small class per message.
+"""What the launcher and a worker say to each other: one small class per message, and the
+names both sides must agree on (the worker's module, its variables, the end-of-job mark).
 
 The launcher (:mod:`gradsync_tutorial.launcher.pool`) and each worker
 (:mod:`gradsync_tutorial.launcher.worker`) exchange these over a
@@ -20,9 +21,18 @@ from dataclasses import dataclass, field
 #: What the launcher runs for each rank, ``python -m WORKER_MODULE`` (tests look for it too).
 WORKER_MODULE = "gradsync_tutorial.launcher.worker"
 
+# How a worker finds the launcher: the variables the launcher starts it with.
+CONTROL_ENV = "GRADSYNC_CONTROL"  # host:port of the launcher's socket
+TOKEN_ENV = "GRADSYNC_TOKEN"  # the secret the worker proves itself with, hex
+END_MARK_ENV = "GRADSYNC_END_MARK"  # END_MARK with a secret of the worker's own appended
 # The launcher's own variables for a worker (where to connect, its token): never passed on to
 # a job. Every other variable of the notebook's environment reaches the ranks (GRADSYNC_DATA...).
-PRIVATE_ENV = ("GRADSYNC_CONTROL", "GRADSYNC_TOKEN")
+PRIVATE_ENV = (CONTROL_ENV, TOKEN_ENV)
+
+#: Written on stdout and stderr after each job, with the job's id, so the launcher knows it has
+#: every line. Each worker's mark carries a secret (END_MARK_ENV), so no line fn prints can pass
+#: for it.
+END_MARK = "\x1egradsync-end-of-job"
 
 
 # -- launcher -> worker ------------------------------------------------------------------------

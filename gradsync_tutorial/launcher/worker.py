@@ -37,13 +37,20 @@ from multiprocessing.connection import Connection
 
 from gradsync_tutorial.launcher import hang_report as _where
 from gradsync_tutorial.launcher import own_group as _own_group
-from gradsync_tutorial.launcher.protocol import Finished, Job, Raised, Ready, StackRequest, Teardown
+from gradsync_tutorial.launcher.protocol import (
+    CONTROL_ENV,
+    END_MARK,
+    END_MARK_ENV,
+    TOKEN_ENV,
+    Finished,
+    Job,
+    Raised,
+    Ready,
+    StackRequest,
+    Teardown,
+)
 
-# Written on stdout and stderr after each job so the launcher knows it has every line. The
-# launcher gives each worker the mark with a secret appended (GRADSYNC_END_MARK), so that no
-# line fn prints can pass for it.
-END_MARK = "\x1egradsync-end-of-job"
-_mark = END_MARK
+_mark = END_MARK  # this worker's own: END_MARK and its secret, read at start-up
 
 
 def _dumps_result(obj) -> bytes:
@@ -316,8 +323,8 @@ def _raised(job_id: int, exc: BaseException) -> Raised:
 
 
 def _connect() -> Connection:
-    host, port = os.environ.pop("GRADSYNC_CONTROL").rsplit(":", 1)
-    token = bytes.fromhex(os.environ.pop("GRADSYNC_TOKEN"))
+    host, port = os.environ.pop(CONTROL_ENV).rsplit(":", 1)
+    token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
     sock = socket.create_connection((host, int(port)))
     sock.sendall(token)
     return Connection(sock.detach())
@@ -342,7 +349,7 @@ def main() -> None:
     _die_with_parent()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_die_with_parent)
-    _mark = os.environ.pop("GRADSYNC_END_MARK", END_MARK)
+    _mark = os.environ.pop(END_MARK_ENV, END_MARK)
     import torch  # noqa: F401 - preload: by the time the first job arrives this is done
     import torch.distributed  # noqa: F401
 

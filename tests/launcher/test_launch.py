@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, run
+from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, preflight, run
 
 from ..conftest import REPO, pid_alive, worker_pids
 
@@ -62,7 +62,7 @@ def test_worker_environment_is_torchruns():
         }
 
     results = gst.launch(fn, world_size=2)
-    cores = run._cpu_count()  # the cores this process may use, on every platform
+    cores = preflight.cpu_count()  # the cores this process may use, on every platform
     for rank, env in enumerate(results):
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank) == str(env["dist_rank"])
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
@@ -180,7 +180,7 @@ def test_function_defined_in_a_notebook_cell():
     # the line that raised, though hidden): no "During handling of ..." chain, no helper frames.
     assert "1 / 0" in shown and "gst.launch(lambda" in shown
     assert "Cell In[3], line 1, in <lambda>" in error["evalue"]  # not the kernel's temp file
-    assert "launcher.py" not in shown and "gradsync_tutorial" not in shown, shown
+    assert "run.py" not in shown and "gradsync_tutorial" not in shown, shown
     assert "During handling" not in shown
 
 
@@ -249,19 +249,19 @@ def test_rank_dies_without_result(how, expected):
 def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
     """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
     sees rank 1's process end; rank 1 is still the story."""
-    from gradsync_tutorial.launcher.errors import _blame, _rank_failed_error
-    from gradsync_tutorial.launcher.pool import _exit_failure, _JobState
+    from gradsync_tutorial.launcher.errors import _blame, exit_failure, rank_failed_error
+    from gradsync_tutorial.launcher.pool import JobState
     from gradsync_tutorial.launcher.protocol import Raised
 
-    state = _JobState(1)
+    state = JobState(1)
     state.sent = True
     state.on_message(0, Raised(1, "RuntimeError", "[pair.cc:545] Read error [127.0.0.1]:"
                                "41234: Connection reset by peer", "Traceback ...", None,
                                lost_peer=True))
-    state.fail(_exit_failure(1, -signal.SIGKILL, started=True))
+    state.fail(exit_failure(1, -signal.SIGKILL, started=True))
     failures = list(state.failures.values())
     assert _blame(failures).rank == 1
-    message = str(_rank_failed_error(failures, started=True))
+    message = str(rank_failed_error(failures, started=True))
     assert message.startswith("rank 1 was killed by SIGKILL before returning a result")
     assert "rank 0 raised RuntimeError" in message
     assert "(a consequence: a peer went away)" in message

@@ -15,7 +15,7 @@ import pytest
 
 import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import RankFailedError
-from gradsync_tutorial.launcher.errors import Failure, _blame, _fold_cpp_frames, _rank_failed_error
+from gradsync_tutorial.launcher.errors import Failure, _blame, _fold_cpp_frames, rank_failed_error
 
 from ..conftest import worker_pids
 
@@ -98,7 +98,7 @@ def test_cpp_frames_are_folded_into_one_note():
                                          "[127.0.0.1]:7364 [3 lines of C++ stack folded]")
     lost = Failure(0, "raised", exc_type="DistBackendError", message=message, lost_peer=True)
     died = Failure(1, "exited", exit_code=3)
-    text = str(_rank_failed_error([lost, died], started=True))
+    text = str(rank_failed_error([lost, died], started=True))
     assert "frame #" not in text and "3 lines of C++ stack folded" in text
 
 

@@ -24,10 +24,16 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
-from gradsync_tutorial.launcher import pool as _processes
-from gradsync_tutorial.launcher import run as launcher
+from gradsync_tutorial.launcher import (
+    LaunchTimeoutError,
+    RankFailedError,
+    pool,
+    preflight,
+    process_tree,
+    run,
+)
 from gradsync_tutorial.launcher import worker as _worker
+from gradsync_tutorial.launcher.protocol import END_MARK
 
 from ..conftest import REPO, pid_alive, worker_pids
 
@@ -140,14 +146,14 @@ def test_rank_holding_the_gil_and_its_forked_child_die_with_the_kernel():
 
 
 def test_stop_pressed_while_a_failure_is_reported(monkeypatch):
-    drain = _processes._Workers.drain
+    drain = pool.Workers.drain
 
     def interrupted(self, state, *args, **kwargs):
         if state.failures:
             raise KeyboardInterrupt  # the stop button, while launch waits for other reports
         return drain(self, state, *args, **kwargs)
 
-    monkeypatch.setattr(_processes._Workers, "drain", interrupted)
+    monkeypatch.setattr(pool.Workers, "drain", interrupted)
 
     def fn(rank, world_size):
         if rank == 1:
@@ -209,10 +215,10 @@ def test_world_size_beyond_the_file_descriptor_limit_is_refused_before_starting(
 
 @pytest.mark.skipif(not hasattr(os, "sysconf"), reason="no sysconf on Windows")
 def test_world_size_beyond_the_memory_is_refused_with_the_largest_that_fits(monkeypatch):
-    if launcher._max_world_size()[0] < 2:
+    if preflight.max_world_size()[0] < 2:
         pytest.skip("this machine cannot start 2 ranks")
     per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
-    monkeypatch.setattr(launcher, "RANK_MEMORY_BYTES", per_rank)
+    monkeypatch.setattr(preflight, "RANK_MEMORY_BYTES", per_rank)
     with pytest.raises(ValueError, match=r"world_size=5 is more ranks .* GB.*world_size=3 or f"):
         gst.launch(_ok, world_size=5)
     assert worker_pids() == []
@@ -241,7 +247,7 @@ def test_a_line_that_looks_like_the_end_mark_is_printed_and_breaks_nothing(capsy
         print(f"after {rank}")
 
     for _ in range(2):
-        gst.launch(fn, world_size=2, args=(_worker.END_MARK,))
+        gst.launch(fn, world_size=2, args=(END_MARK,))
     out, _ = capsys.readouterr()
     assert out.count("gradsync-end-of-job 1") == 4
     assert out.count("gradsync-end-of-job not-a-job-number") == 4
@@ -470,10 +476,10 @@ def test_windows_branch_starts_in_a_new_group_and_stops_the_tree_with_taskkill(m
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(os, "killpg", lambda *a: pytest.fail("no killpg on Windows"),
                         raising=False)
-    assert _processes._popen_kwargs() == {"creationflags": 0x200}  # CREATE_NEW_PROCESS_GROUP
+    assert process_tree.popen_kwargs() == {"creationflags": 0x200}  # CREATE_NEW_PROCESS_GROUP
     proc = _FakeProc()
-    assert _processes._tree(proc) == set()  # taskkill /T finds the tree itself
-    _processes._signal_tree(proc, set(), signal.SIGTERM)
+    assert process_tree.tree(proc) == set()  # taskkill /T finds the tree itself
+    process_tree.signal_tree(proc, set(), signal.SIGTERM)
     assert calls == [["taskkill", "/F", "/T", "/PID", "424242"]] and proc.killed
 
 
@@ -483,8 +489,8 @@ def test_posix_branch_starts_a_new_session_and_signals_group_and_tree(monkeypatc
     monkeypatch.setattr(os, "killpg", lambda pid, sig: sent.append(("group", pid, sig)),
                         raising=False)
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(("pid", pid, sig)))
-    assert _processes._popen_kwargs() == {"start_new_session": True}
-    _processes._signal_tree(_FakeProc(), {7, 8}, 15)
+    assert process_tree.popen_kwargs() == {"start_new_session": True}
+    process_tree.signal_tree(_FakeProc(), {7, 8}, 15)
     assert sent[0] == ("group", 424242, 15) and sorted(sent[1:]) == [("pid", 7, 15),
                                                                     ("pid", 8, 15)]
 
@@ -496,16 +502,16 @@ def test_macos_branch_reads_the_process_table_from_ps(monkeypatch):
         stdout = "  1     0\n 10     1\n 11    10\n 12    11\n garbage\n"
 
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: Done)
-    assert _processes._process_table() == [(1, 0), (10, 1), (11, 10), (12, 11)]
+    assert process_tree.process_table() == [(1, 0), (10, 1), (11, 10), (12, 11)]
     proc = _FakeProc()
     proc.pid = 10
     monkeypatch.setattr(os, "name", "posix")
-    assert _processes._tree(proc) == {11, 12}  # the child and the grandchild
+    assert process_tree.tree(proc) == {11, 12}  # the child and the grandchild
 
 
 @linux_only
 def test_linux_branch_reads_the_process_table_from_proc():
-    table = dict(_processes._process_table())
+    table = dict(process_tree.process_table())
     assert table[os.getpid()] == os.getppid()
 
 
@@ -523,7 +529,7 @@ def test_store_on_windows_binds_its_own_port(monkeypatch):
     made = []
     monkeypatch.setattr(os, "name", "nt")
     monkeypatch.setattr(dist, "TCPStore", lambda host, port, **kw: made.append((host, kw)))
-    launcher._rendezvous_store(None, 5)
+    run._rendezvous_store(None, 5)
     assert made[0][0] == "127.0.0.1" and "master_listen_fd" not in made[0][1]
 
 
@@ -531,13 +537,13 @@ def test_limits_without_sysconf_or_resource(monkeypatch):
     """Windows has neither os.sysconf nor the resource module: no cap, and no crash."""
     monkeypatch.delattr(os, "sysconf")
     monkeypatch.setitem(sys.modules, "resource", None)  # import resource -> ImportError
-    assert launcher._max_world_size() == (sys.maxsize, "")
+    assert preflight.max_world_size() == (sys.maxsize, "")
 
 
 def test_cpu_count_without_sched_getaffinity(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
-    assert launcher._cpu_count() == 6
+    assert preflight.cpu_count() == 6
 
 
 def test_a_job_timeout_still_ends_on_time_with_output_pending():
