@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from pathlib import Path
 
@@ -10,6 +12,15 @@ import pytest
 from gradsync_tutorial.launcher.protocol import WORKER_MODULE
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def tool(name: str):
+    """``tools/NAME.py``, a maintainer's script (not a package), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_pids() -> list[int]:

@@ -21,9 +21,11 @@ from .conftest import REPO
 NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 NUMBERS = {name[:2] for name in NOTEBOOKS}
 README = (REPO / "README.md").read_text()
-#: Where the course refers to its notebooks: the README, the package, the scripts, benchmarks.
+#: Where the course refers to its notebooks: the README, the package, the scripts, the tools,
+#: the benchmarks.
 REFERRING = [REPO / "README.md", *sorted((REPO / "gradsync_tutorial").rglob("*.py")),
-             *sorted((REPO / "scripts").glob("*.py")), *sorted((REPO / "benchmarks").glob("*.py"))]
+             *(path for folder in ("scripts", "tools", "benchmarks")
+               for path in sorted((REPO / folder).glob("*.py")))]
 
 # notebooks/02_manual_allreduce_averaging.ipynb (a path, in prose, a link or a docstring)
 NOTEBOOK_PATH = re.compile(r"notebooks/(\d\d_[A-Za-z0-9_]+)\.ipynb")

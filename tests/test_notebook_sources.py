@@ -6,25 +6,15 @@ rebuilding: ``make notebooks NB=NN`` (see the README's "Changing a notebook").
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
 import nbformat
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, tool
 
-
-def _load_script():
-    path = REPO / "scripts" / "notebooks.py"
-    spec = importlib.util.spec_from_file_location("notebooks_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-notebooks = _load_script()
+notebooks = tool("build_notebooks")
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 

@@ -1,9 +1,9 @@
 """Build the course notebooks from their sources: ``notebooks/NN_*.py`` -> ``notebooks/NN_*.ipynb``.
 
-    python scripts/notebooks.py            # every notebook (what `make notebooks` runs)
-    python scripts/notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
-    python scripts/notebooks.py 02 --no-execute   # markdown or NBVAL comments only: keep outputs
-    python scripts/notebooks.py --images   # images/*.png from the notebooks (`make images`)
+    python tools/build_notebooks.py            # every notebook (what `make notebooks` runs)
+    python tools/build_notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
+    python tools/build_notebooks.py 02 --no-execute   # markdown or NBVAL comments: keep outputs
+    python tools/build_notebooks.py --images   # images/*.png from the notebooks (`make images`)
 
 Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
 what people edit and review. The ``.ipynb`` with outputs is what readers open and what nbval runs.
