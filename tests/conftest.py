@@ -5,6 +5,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +67,30 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def start_kernel_like(code: str, count: int = 2, seconds: float = 60.0):
+    """Start ``code`` as a kernel would run it (a process in a session of its own), which
+    prints ``pid N [N ...]`` lines from its ranks; return it once ``count`` pids are read."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids: list[int] = []
+    deadline = time.monotonic() + seconds
+    while len(pids) < count and time.monotonic() < deadline:
+        words = proc.stdout.readline().split()
+        if "pid" in words:
+            pids += [int(w) for w in words[words.index("pid") + 1:]]
+    assert len(pids) == count, f"expected {count} pids, read {pids}"
+    return proc, pids
+
+
+def wait_dead(pids, seconds: float = 15.0) -> list[int]:
+    """Wait until every pid has ended; return those still alive (a generous bound, not a
+    timing: it only tells "ended" from "still running a 60-second sleep")."""
+    deadline = time.monotonic() + seconds
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ _EXERCISE_CHECK = (
 )
 #: "module.py:function" -> why it may be longer than MAX_LINES.
 ALLOWED = {
-    "launcher/run.py:launch": "its docstring is the API reference; the body, about 55 lines, is "
-                              "the story of a launch, top to bottom (its failure path is split "
-                              "out)",
+    "launcher/run.py:launch": "its docstring (about 40 lines) is the API reference; the body, "
+                              "about 50, is the story of a launch top to bottom, each step one "
+                              "call into launcher/pool.py",
     "exercises/accumulate.py:check_accumulate_gradients": _EXERCISE_CHECK,
     "exercises/broadcast.py:check_broadcast_parameters": _EXERCISE_CHECK,
     "exercises/checkpoint.py:check_save_checkpoint": _EXERCISE_CHECK,

@@ -22,7 +22,7 @@ from ..conftest import worker_pids
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 
 
-# -- blame from fields, not from words in the text (issue 16, group 7) -----------------------
+# -- blame from fields, not from words in the text -------------------------------------------
 
 
 def test_a_type_whose_name_contains_peer_is_not_a_lost_peer():
@@ -102,7 +102,7 @@ def test_cpp_frames_are_folded_into_one_note():
     assert "frame #" not in text and "3 lines of C++ stack folded" in text
 
 
-# -- errors that must not crash the worker or reach the notebook raw (issue 16, group 13) -----
+# -- errors that must not crash the worker or reach the notebook raw --------------------------
 
 
 class _StrRaises(Exception):
@@ -162,7 +162,7 @@ def test_a_cyclic_result_comes_back_or_names_the_rank():
     assert gst.launch(lambda rank, ws: rank, 2) == [0, 1]
 
 
-# -- frictions met when bringing code from elsewhere (issue 13) -----------------------------
+# -- frictions met when bringing code from elsewhere -----------------------------------------
 
 
 def test_user_variables_reach_the_ranks_but_not_the_launchers_own(monkeypatch):
@@ -235,7 +235,7 @@ def test_sys_exit_in_a_rank(capsys):
 
 
 def test_methods_of_a_class_from_a_notebook_cell_point_to_the_cell(capsys):
-    from .test_own_group import cell
+    from ..programs import cell
 
     ns = cell("""
         import warnings

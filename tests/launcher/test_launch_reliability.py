@@ -1,6 +1,6 @@
-"""gradsync_tutorial.launch under adversarial use (issue 16): hangs, leaks, odd output, odd
-results, reused ports, bad arguments, state left behind by a previous job, and the platform
-branches of the process code (issue 13), each monkeypatched so that Linux runs them all.
+"""gradsync_tutorial.launch under adversarial use: hangs, leaks, odd output, odd results, reused
+ports, state left behind by a previous job, and the platform branches of the process code, each
+monkeypatched so that Linux runs them all (bad arguments: test_preflight.py).
 
 Every test here failed before the fix it checks. Tests that need a real process tree read
 /proc and are Linux-only; the platform tests run everywhere.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import math
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ from gradsync_tutorial.launcher import (
 from gradsync_tutorial.launcher import worker as _worker
 from gradsync_tutorial.launcher.protocol import END_MARK
 
-from ..conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, start_kernel_like, wait_dead, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -43,15 +42,6 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 def _ok(rank, world_size):
     return rank
-
-
-def _wait_dead(pids, seconds=15.0) -> list[int]:
-    """Wait until every pid has ended; return those still alive (a generous bound, not a
-    timing: it only tells "ended" from "still running a 60-second sleep")."""
-    deadline = time.monotonic() + seconds
-    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
 
 
 def _run_script(code: str, timeout: float = 150) -> tuple[int | None, str, str]:
@@ -105,7 +95,7 @@ def test_rank_child_in_its_own_session_neither_hangs_nor_survives():
     assert "failed as expected: rank 1 raised ValueError" in out and "done" in out
     children = [int(line.split()[-1]) for line in out.splitlines() if " child " in line]
     assert len(children) == 8
-    assert _wait_dead(children) == [], "a rank's child outlived its rank"
+    assert wait_dead(children) == [], "a rank's child outlived its rank"
 
 
 KILLED_KERNEL = """
@@ -126,20 +116,12 @@ KILLED_KERNEL = """
 
 @linux_only
 def test_rank_holding_the_gil_and_its_forked_child_die_with_the_kernel():
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_KERNEL)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    pids = []
-    deadline = time.monotonic() + 120
-    while len(pids) < 4 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if " pid " in line:
-            pids += [int(p) for p in line.split()[-2:]]
-    assert len(pids) == 4
+    proc, pids = start_kernel_like(KILLED_KERNEL, count=4, seconds=120)  # ranks and children
     time.sleep(0.5)  # let both ranks enter the GIL-holding sleep
     proc.kill()  # SIGKILL: no cleanup code runs in the kernel
     proc.wait()
     proc.stdout.close()
-    assert _wait_dead(pids) == [], "a rank, or a process it forked, outlived the kernel"
+    assert wait_dead(pids) == [], "a rank, or a process it forked, outlived the kernel"
 
 
 # -- 3: everything started is stopped, on every path -----------------------------------------
@@ -333,29 +315,7 @@ def test_master_port_of_a_failed_launch_can_be_used_again_at_once():
         str(port)] * 2
 
 
-# -- 9: bad arguments, checked before any process starts -------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"show_ranks": 1}, TypeError, r"show_ranks must be a list of ranks.*show_ranks=\[1\]"),
-        ({"show_ranks": "0"}, TypeError, "show_ranks must be a list of ranks"),
-        ({"show_ranks": ["0"]}, ValueError, r"names ranks \['0'\]"),
-        ({"timeout": math.nan}, ValueError, r"positive number of seconds \(finite\)"),
-        ({"timeout": math.inf}, ValueError, "timeout=24 \\* 3600"),
-        ({"timeout": -5}, ValueError, r"positive number of seconds \(finite\)"),
-        ({"master_port": 70000}, ValueError, "master_port must be an int port number in 1..65535"),
-        ({"master_port": -1}, ValueError, "master_port must be an int"),
-        ({"master_port": "29500"}, ValueError, "master_port must be an int"),
-        ({"master_port": 29500.0}, ValueError, "master_port must be an int"),
-    ],
-)
-def test_bad_arguments_get_a_message_before_any_process_starts(kwargs, error, match):
-    gst.shutdown_workers()
-    with pytest.raises(error, match=match):
-        gst.launch(_ok, world_size=2, **kwargs)
-    assert worker_pids() == []
+# -- 9: bad arguments: tests/launcher/test_preflight.py -----------------------------------------
 
 
 def test_show_ranks_given_as_an_iterator_shows_those_ranks(capsys):
@@ -454,7 +414,7 @@ def test_rendezvous_store_listens_on_loopback_only():
         assert addresses == ["0100007F"]  # 127.0.0.1 only, nothing on 0.0.0.0 or ::
 
 
-# -- issue 13, platforms: each branch, with the platform monkeypatched -----------------------
+# -- platforms: each branch, with the platform monkeypatched ---------------------------------
 
 
 class _FakeProc:
