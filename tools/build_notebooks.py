@@ -175,11 +175,11 @@ def cell_failure(path: Path, nb: nbformat.NotebookNode, index: int, what: str,
     >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title"),
     ...                                      nbformat.v4.new_code_cell("x = 1\\ny = x / 0")])
     >>> error = "raised ZeroDivisionError: division by zero"
-    >>> print(cell_failure(Path("notebooks/99_x.ipynb"), nb, 1, error,
+    >>> print(cell_failure(Path("notebooks/02_x.ipynb"), nb, 1, error,
     ...                    "Cell In[1], line 2"))  # doctest: +NORMALIZE_WHITESPACE
-    notebooks/99_x.py: cell 2 raised ZeroDivisionError: division by zero, at its line 2:
+    notebooks/02_x.py: cell 2 raised ZeroDivisionError: division by zero, at its line 2:
       y = x / 0
-    notebooks/99_x.ipynb was not written: fix the source, then build again (make notebooks NB=99).
+    notebooks/02_x.ipynb was not written: fix the source, then build again (make notebooks NB=02).
     """
     cell = nb.cells[index]
     lines = cell.source.splitlines()
