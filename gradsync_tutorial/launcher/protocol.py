@@ -35,14 +35,21 @@ PRIVATE_ENV = (CONTROL_ENV, TOKEN_ENV)
 END_MARK = "\x1egradsync-end-of-job"
 
 
+@dataclass(frozen=True)
+class JobMessage:
+    """Every message names the job it belongs to: a late message from an earlier job (a rank
+    that answered after a timeout, say) is recognised and dropped."""
+
+    job_id: int
+
+
 # -- launcher -> worker ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(JobMessage):
     """Run ``fn(rank, world_size, *args)`` once; ``payload`` is ``cloudpickle((fn, args))``."""
 
-    job_id: int
     payload: bytes
     env: dict[str, str]  # the notebook's environment plus torchrun's variables
     cwd: str
@@ -54,34 +61,27 @@ class Job:
     sources: dict[str, list[str]] = field(default_factory=dict)  # cell file -> its lines
 
 
-@dataclass(frozen=True)
-class Teardown:
+class Teardown(JobMessage):
     """The job is over on every rank: destroy the process group, then say :class:`Ready`."""
 
-    job_id: int
 
-
-@dataclass(frozen=True)
-class StackRequest:
+class StackRequest(JobMessage):
     """The launch timed out: report where the job's main thread is (:class:`StackReport`)."""
-
-    job_id: int
 
 
 # -- worker -> launcher ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(JobMessage):
     """``fn`` returned; ``result`` is its return value, cloudpickled."""
 
-    job_id: int
     result: bytes
     collectives: int | None = None  # how many collective calls fn made
 
 
 @dataclass(frozen=True)
-class Raised:
+class Raised(JobMessage):
     """``fn`` raised (or its result could not be sent back).
 
     ``lost_peer``: the exception came out of torch.distributed because a peer's connection
@@ -89,7 +89,6 @@ class Raised:
     ``exit_code``: set when ``fn`` called ``sys.exit(code)`` with a non-zero code.
     """
 
-    job_id: int
     exc_type: str
     message: str
     traceback: str
@@ -98,11 +97,8 @@ class Raised:
     exit_code: int | None = None
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(JobMessage):
     """The worker tore the job's process group down and waits for the next job."""
-
-    job_id: int
 
 
 @dataclass(frozen=True)
@@ -116,7 +112,7 @@ class Frame:
 
 
 @dataclass(frozen=True)
-class StackReport:
+class StackReport(JobMessage):
     """Where a rank's job was when the launcher asked.
 
     ``frames``: the rank's own frames, outermost first (the launcher's and torch's left out).
@@ -125,7 +121,6 @@ class StackReport:
     it had entered so far, ``None`` if unknown.
     """
 
-    job_id: int
     frames: tuple[Frame, ...]
     waiting_in: str
     collectives: int | None
