@@ -22,7 +22,7 @@ How it works, and why not torch's own launchers
   pytest/nbval nothing copies them into the cell, and a rank's error reaches the notebook as a
   path to a file.
 
-So this module starts **fresh interpreters** itself with :mod:`subprocess` and pipes
+So the launcher starts **fresh interpreters** itself with :mod:`subprocess` and pipes
 (``python -m gradsync_tutorial.launcher.worker``), sends them ``fn`` serialized *by value* with
 ``cloudpickle``, and reads every line they print back into the calling cell, tagged
 ``[rank r]``. What torch does well it keeps: the workers get torchrun's environment (``RANK``,
