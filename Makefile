@@ -62,7 +62,7 @@ bench: data
 
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
-	$(PY) scripts/notebooks.py $(NB)
+	$(PY) tools/build_notebooks.py $(NB)
 
 $(SITE_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -e '.[site]'
@@ -76,7 +76,7 @@ gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py
-	$(PY) scripts/notebooks.py --images
+	$(PY) tools/build_notebooks.py --images
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

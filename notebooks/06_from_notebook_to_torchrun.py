@@ -387,7 +387,7 @@ assert diff <= TOL
 # %% [markdown]
 # ## When a rank fails
 #
-# The course's tests have a wrapper for this demonstration, `tests/fail_rank.py 1 SCRIPT`: it
+# The course has a wrapper for this demonstration, `scripts/fail_rank.py 1 SCRIPT`: it
 # runs the script with rank 1 raising an exception once the process group is up (the script
 # itself has no such switch: it is the file you copy). torchrun stops the other ranks and exits
 # with a non-zero status, which is what a scheduler (or a CI job) needs to see, and ends with a
@@ -395,8 +395,8 @@ assert diff <= TOL
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-failed = torchrun(*STANDALONE, "tests/fail_rank.py", 1, *SCRIPT, "--epochs", 1)
-summary = failed.stderr[failed.stderr.index("tests/fail_rank.py FAILED"):]
+failed = torchrun(*STANDALONE, "scripts/fail_rank.py", 1, *SCRIPT, "--epochs", 1)
+summary = failed.stderr[failed.stderr.index("scripts/fail_rank.py FAILED"):]
 print(f"exit status {failed.returncode}; torchrun's error summary, the end of its stderr:\n")
 print(summary)
 

@@ -49,10 +49,27 @@ def torchrun(snippet, cwd, *args, ranks=2):
     return proc.stdout
 
 
+SNIPPET_MARK = re.compile(r"<!-- snippets/([\w.-]+\.py) -->")
+
+
+def test_every_snippet_marked_in_a_notebook_is_a_file_and_every_file_is_marked():
+    """The snippets are found, not listed: a notebook that shows one marks it
+    ``<!-- snippets/NN_x.py -->``, and every file in snippets/ is marked by its own notebook."""
+    marked = {}
+    for number, path in NOTEBOOKS.items():
+        for name in SNIPPET_MARK.findall(path.read_text()):
+            marked[name] = number
+    assert SNIPPETS, "no snippets found"
+    assert set(marked) == {s.name for s in SNIPPETS}, (
+        f"marked but missing: {sorted(set(marked) - {s.name for s in SNIPPETS})}; files no "
+        f"notebook shows: {sorted({s.name for s in SNIPPETS} - set(marked))}")
+    wrong = {name: number for name, number in marked.items() if not name.startswith(number)}
+    assert not wrong, f"snippets shown by another notebook than their number's: {wrong}"
+
+
 def test_every_snippet_is_shown_by_its_notebook():
     """Its notebook's "Copy this into your code" shows the file as it is now (make notebooks
     fills the block that follows ``<!-- snippets/NN_x.py -->`` from the file)."""
-    assert [s.name[:2] for s in SNIPPETS] == ["02", "03", "04", "05", "06", "07", "08", "09"]
     for snippet in SNIPPETS:
         nb = nbformat.read(NOTEBOOKS[snippet.name[:2]], as_version=4)
         copy_section = next(c.source for c in nb.cells if "## Copy this into your code" in c.source)

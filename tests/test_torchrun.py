@@ -28,7 +28,7 @@ import gradsync_tutorial as gst
 from .conftest import REPO
 
 SCRIPTS = REPO / "scripts"
-FAIL_RANK = REPO / "tests" / "fail_rank.py"  # runs a script with one rank failing on purpose
+FAIL_RANK = REPO / "scripts" / "fail_rank.py"  # runs a script with one rank failing on purpose
 EQUAL = re.compile(r"^parameters equal across (\d+) ranks: max \|p - p on rank 0\| = (\S+)$", re.M)
 TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one is killed
 
@@ -216,14 +216,14 @@ def test_resume_is_exact_when_every_rank_seeds_its_own_dropout(tmp_path, script)
 
 
 def test_failing_rank_exits_nonzero_and_is_the_root_cause_with_its_traceback():
-    # The fault is injected from outside (tests/fail_rank.py): the scripts have no test hook.
+    # The fault is injected from outside (scripts/fail_rank.py): the scripts have no test hook.
     run = torchrun("--standalone", "--nproc-per-node", 2, FAIL_RANK, 1, SCRIPTS / "train_ddp.py",
                    "--smoke", "--epochs", 1)
     assert run.returncode != 0
     # torchrun's summary ends stderr; @record puts rank 1's traceback under "Root Cause"
     root_cause = run.stderr[run.stderr.rindex("Root Cause (first observed failure)"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
-    assert "RuntimeError: rank 1 fails on purpose (tests/fail_rank.py 1)" in root_cause
+    assert "RuntimeError: rank 1 fails on purpose (scripts/fail_rank.py 1)" in root_cause
     assert "train_ddp.py" in root_cause  # the traceback, not "To enable traceback see: ..."
     assert not EQUAL.search(run.stdout)
 

@@ -1,9 +1,9 @@
 """Build the course notebooks from their sources: ``notebooks/NN_*.py`` -> ``notebooks/NN_*.ipynb``.
 
-    python scripts/notebooks.py            # every notebook (what `make notebooks` runs)
-    python scripts/notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
-    python scripts/notebooks.py 02 --no-execute   # markdown or NBVAL comments only: keep outputs
-    python scripts/notebooks.py --images   # images/*.png from the notebooks (`make images`)
+    python tools/build_notebooks.py            # every notebook (what `make notebooks` runs)
+    python tools/build_notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
+    python tools/build_notebooks.py 02 --no-execute   # markdown or NBVAL comments: keep outputs
+    python tools/build_notebooks.py --images   # images/*.png from the notebooks (`make images`)
 
 Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
 what people edit and review. The ``.ipynb`` with outputs is what readers open and what nbval runs.
@@ -13,7 +13,8 @@ Building one:
    cells), so an unchanged cell keeps its id and a diff shows what really changed;
 2. executes it top to bottom in a fresh kernel, in the full (non-smoke) mode: ``SMOKE_TEST`` is
    removed from the kernel's environment; cells tagged ``raises-exception`` may raise, any other
-   error stops the build and leaves the ``.ipynb`` as it was;
+   error stops the build and leaves the ``.ipynb`` as it was, with one message that names the
+   notebook, the cell and its line in the source (``notebooks/02_x.py:57: cell 12 raised ...``);
 3. merges consecutive prints into one output, as Jupyter shows them, and writes it without
    execution timestamps, so re-executing changes outputs only.
 
@@ -47,6 +48,7 @@ SOURCE_FORMAT = "py:percent"
 # Cell metadata that says when a cell ran, not what it is: never committed.
 VOLATILE_CELL_METADATA = ("execution", "ExecuteTime")
 IMAGE_TAG = "image:"  # a cell tagged image:NAME.png draws images/NAME.png
+CELL_TIMEOUT = 3600  # seconds one cell may run (05's benchmark takes minutes on a laptop)
 # In a source: "<!-- snippets/NN_x.py -->", then a fenced python block (filled from the file).
 SNIPPET = re.compile(r"^# <!-- (snippets/[\w.-]+\.py) -->\n# ```python\n(?:#.*\n)*?# ```\n", re.M)
 
@@ -130,23 +132,88 @@ def assemble(source: Path) -> nbformat.NotebookNode:
 
 
 def execute(nb: nbformat.NotebookNode, path: Path) -> None:
-    """Run every cell in a fresh kernel, in the notebook's folder, in the full mode."""
+    """Run every cell in a fresh kernel, in the notebook's folder, in the full mode.
+
+    A cell that raises (and is not tagged ``raises-exception``), runs past the timeout or kills
+    the kernel stops the build with :func:`cell_failure`'s message, not nbclient's traceback.
+    """
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from nbconvert.preprocessors import CoalesceStreamsPreprocessor
 
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     env = {k: v for k, v in os.environ.items() if k != "SMOKE_TEST"}
-    client = NotebookClient(nb, timeout=3600, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(path.parent)}})
-    client.execute(env=env)
+    started: list[int] = []  # the index of each cell the kernel was given, in order
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(path.parent)}},
+                            on_cell_start=lambda cell, cell_index: started.append(cell_index))
+    try:
+        client.execute(env=env)
+    except CellExecutionError as e:
+        raise SystemExit(cell_failure(path, nb, started[-1], f"raised {e.ename}: {e.evalue}",
+                                      e.traceback)) from None
+    except CellTimeoutError:
+        raise SystemExit(cell_failure(path, nb, started[-1],
+                                      f"did not finish within {CELL_TIMEOUT} s")) from None
+    except DeadKernelError:
+        raise SystemExit(cell_failure(path, nb, started[-1] if started else 0,
+                                      "killed the kernel (out of memory?)")) from None
     # One stream output per flush run, as Jupyter shows it (and nbconvert --execute wrote it).
     CoalesceStreamsPreprocessor().preprocess(nb, {})
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_LINE = re.compile(r"Cell In\[\d+\], line (\d+)")
+
+
+def cell_failure(path: Path, nb: nbformat.NotebookNode, index: int, what: str,
+                 traceback: str = "") -> str:
+    """What a build that stopped at cell ``index`` says: the notebook, the cell, its line.
+
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Title"),
+    ...                                      nbformat.v4.new_code_cell("x = 1\\ny = x / 0")])
+    >>> error = "raised ZeroDivisionError: division by zero"
+    >>> print(cell_failure(Path("notebooks/02_x.ipynb"), nb, 1, error,
+    ...                    "Cell In[1], line 2"))  # doctest: +NORMALIZE_WHITESPACE
+    notebooks/02_x.py: cell 2 raised ZeroDivisionError: division by zero, at its line 2:
+      y = x / 0
+    notebooks/02_x.ipynb was not written: fix the source, then build again (make notebooks NB=02).
+    """
+    cell = nb.cells[index]
+    lines = cell.source.splitlines()
+    found = _CELL_LINE.findall(_ANSI.sub("", traceback))
+    where, shown = "", ""
+    if found and 0 < int(found[-1]) <= len(lines):
+        where, shown = f", at its line {found[-1]}", f"\n  {lines[int(found[-1]) - 1].strip()}"
+    elif lines:
+        shown = f"\n  {lines[0].strip()}" + (" ..." if len(lines) > 1 else "")
+    source, notebook = path.with_suffix(".py"), path.with_suffix(".ipynb")
+    marker = _cell_line(source, index)
+    at = f"notebooks/{source.name}" + (f":{marker}" if marker else "")
+    kept = "was left as it was" if notebook.exists() else "was not written"
+    return (f"{at}: cell {index + 1} {what}{where}:{shown}\n"
+            f"notebooks/{notebook.name} {kept}: fix the source, then build again "
+            f"(make notebooks NB={source.name[:2]}).")
+
+
+def _cell_line(source: Path, index: int) -> int | None:
+    """The line of the source where cell ``index`` starts (its ``# %%`` marker), if found."""
+    try:
+        text = source.read_text()
+    except OSError:
+        return None
+    markers = [n for n, line in enumerate(text.splitlines(), start=1) if line.startswith("# %%")]
+    return markers[index] if len(markers) == len(read_source(source).cells) else None
+
+
 def build(source: Path, run: bool = True) -> None:
     target = notebook_of(source)
+    if not run and not target.exists():
+        raise SystemExit(f"notebooks/{target.name} does not exist yet, so there are no outputs "
+                         f"to keep: build it without --no-execute (make notebooks "
+                         f"NB={source.name[:2]}), which executes it.")
     include_snippets(source)
     nb = assemble(source)
     if run:

@@ -1,8 +1,7 @@
-"""scripts/colab.py: badges and a Colab-only install cell, on a copy of the course."""
+"""tools/colab.py: badges and a Colab-only install cell, on a copy of the course."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import types
@@ -11,19 +10,12 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from .conftest import REPO
+from ..conftest import REPO, tool
 
 URL = "https://github.com/someone/gradsync-tutorial"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("colab_script", REPO / "scripts" / "colab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-colab = _load_script()
+colab = tool("colab")
 
 
 @pytest.fixture
@@ -45,9 +37,10 @@ def _state(root):
 
 def test_every_notebook_gets_its_badge_and_install_cell_and_keeps_its_outputs(course, capsys):
     before = {p.name: nbformat.read(p, as_version=4) for p in colab.course_notebooks(course)}
-    assert len(before) == 7
+    n = len(list((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+    assert len(before) == n
     assert colab.main([URL], root=course) == 0
-    assert "7 notebooks and 7 README rows" in capsys.readouterr().out
+    assert f"{n} notebooks and {n} README rows" in capsys.readouterr().out
 
     for path in colab.course_notebooks(course):
         nb = nbformat.read(path, as_version=4)
@@ -65,9 +58,7 @@ def test_every_notebook_gets_its_badge_and_install_cell_and_keeps_its_outputs(co
         assert [c.get("outputs") for c in rest[1:]] == [c.get("outputs") for c in old.cells[1:]]
 
     # The sources got the same cells: the notebooks still match them (tests/test_notebook_sources).
-    spec = importlib.util.spec_from_file_location("nb_script", REPO / "scripts" / "notebooks.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tool("build_notebooks")
     for path in colab.course_notebooks(course):
         source = script.read_source(path.with_suffix(".py"))
         assert script.first_difference(nbformat.read(path, as_version=4), source) is None
@@ -90,7 +81,7 @@ def test_a_second_run_changes_nothing_and_another_url_replaces_the_first(course)
         assert "someone" not in text and text.count("colab-badge.svg") == 1
         assert "git+https://github.com/other/fork@v1" in text
     readme = (course / "README.md").read_text()
-    assert "someone/gradsync" not in readme and readme.count("colab-badge.svg") == 7
+    assert "someone/gradsync" not in readme and readme.count("colab-badge.svg") == len(colab.course_notebooks(course))
 
 
 @pytest.mark.parametrize(
@@ -134,5 +125,5 @@ def test_the_repository_has_colab_cells_in_every_notebook_or_in_none():
         for p in colab.course_notebooks(REPO)
     ]
     readme_badges = (REPO / "README.md").read_text().count("colab-badge.svg")
-    assert all(has) or not any(has), "run scripts/colab.py again with the repository's URL"
+    assert all(has) or not any(has), "run tools/colab.py again with the repository's URL"
     assert readme_badges == (len(has) if all(has) else 0)

@@ -14,14 +14,12 @@ its last lines on stderr), or a hang (the ranks that had not finished, and the u
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ._wording import ranks as _ranks
-
-if TYPE_CHECKING:
-    from ._processes import _JobState
+from .._wording import ranks as _ranks
+from ..device import gpu_count
 
 __all__ = ["HANG_HINT", "Failure", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
 
@@ -39,12 +37,13 @@ class Failure:
 
     ``kind`` is ``"raised"`` (``fn`` raised ``exc_type``; ``message`` and ``traceback`` are
     its text), ``"exited"`` (the process ended with ``exit_code`` before returning),
-    ``"killed"`` (the process was killed by ``signal``), or ``"timeout"`` (still running at the
-    launch's timeout). ``lost_peer``: the rank failed inside torch.distributed because a peer's
-    connection closed -- usually a *consequence* of another rank's failure. ``stderr_tail``:
-    the rank's last lines on stderr.
+    ``"killed"`` (the process was killed by ``signal``), ``"result"`` (``fn`` returned, but its
+    value could not be rebuilt in the notebook: ``exc_type`` and ``message`` say why), or
+    ``"timeout"`` (still running at the launch's timeout). ``lost_peer``: the rank failed
+    inside torch.distributed because a peer's connection closed -- usually a *consequence* of
+    another rank's failure. ``stderr_tail``: the rank's last lines on stderr.
 
-        >>> from gradsync_tutorial.launch_errors import Failure
+        >>> from gradsync_tutorial.launcher.errors import Failure
         >>> str(Failure(1, "exited", exit_code=3))
         'rank 1 exited with code 3 before returning a result'
     """
@@ -84,6 +83,17 @@ class Failure:
         return f"rank {self.rank} did not finish"
 
     __str__ = summary
+
+
+def exit_failure(rank: int, returncode: int, started: bool) -> Failure:
+    """The record for a rank whose process ended without a result (``returncode`` < 0: signal)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return Failure(rank, "killed", signal=name, during_startup=not started)
+    return Failure(rank, "exited", exit_code=returncode, during_startup=not started)
 
 
 class LaunchError(RuntimeError):
@@ -131,10 +141,20 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         self.report = report
 
 
-def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: float,
-                   started: bool, where: str = "") -> LaunchTimeoutError:
-    unfinished = [r for r in range(world_size) if r not in state.results]
-    finished = [r for r in range(world_size) if r in state.results]
+def timeout_error(world_size: int, finished: Iterable[int], timeout: float, startup: float,
+                  started: bool, report: str = "") -> LaunchTimeoutError:
+    """The error for a launch past its time: the ranks that had not finished, where each rank
+    was (``report``, from :mod:`~gradsync_tutorial.launcher.hang_report`), and the usual cause.
+
+    ``started``: every worker had started (else the start-up took longer than ``startup``).
+
+        >>> print(timeout_error(2, finished=[1], timeout=5, startup=60, started=True))
+        launch timed out after 5 s: rank 0 had not finished (rank 1 returned).
+        All ranks were stopped.
+        The usual cause is a collective that not every rank called: ...
+    """
+    finished = sorted(set(finished))
+    unfinished = [r for r in range(world_size) if r not in finished]
     if not started:
         return LaunchTimeoutError(
             f"the {world_size} worker processes did not start within {startup:g} s (each one "
@@ -143,11 +163,11 @@ def _timeout_error(state: _JobState, world_size: int, timeout: float, startup: f
             unfinished,
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
-    report = f"\nWhere each rank was:\n{_indent(where)}" if where else ""
+    where = f"\nWhere each rank was:\n{_indent(report)}" if report else ""
     return LaunchTimeoutError(
         f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
-        f"All ranks were stopped.{report}\n{HANG_HINT}",
-        unfinished, where,
+        f"All ranks were stopped.{where}\n{HANG_HINT}",
+        unfinished, report,
     )
 
 
@@ -163,7 +183,7 @@ def _blame(failures: Sequence[Failure]) -> Failure:
     return next((f for f in failures if not f.lost_peer), failures[0])
 
 
-def _rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedError:
+def rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedError:
     """The error to raise, formatted once from the records (``failures`` in order noticed).
 
     Its ``__cause__`` is the blamed rank's own exception when the notebook can rebuild it.
@@ -196,18 +216,12 @@ def _rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailed
 def _hint(failure: Failure) -> str:
     """What to do about a few errors a learner meets when bringing code from elsewhere."""
     text = f"{failure.exc_type}: {failure.message}"
-    if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not _has_gpu():
+    if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not gpu_count():
         return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none: put "
                 "tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "
                 "GPU per rank, else the CPU) instead of .cuda() or f'cuda:{rank}', and use "
                 "backend 'auto' (nccl with GPUs, gloo without), so the same code runs on both.")
     return ""
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _rebuild(pickled: bytes | None) -> BaseException | None:
@@ -234,26 +248,3 @@ def _fold_cpp_frames(text: str) -> str:
     while kept and not kept[-1].strip():
         kept.pop()
     return "\n".join(kept) + f" [{folded} lines of C++ stack folded]"
-
-
-_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+), in ')
-
-
-def _with_cell_labels(tb: str) -> str:
-    """A rank's traceback with each notebook cell named as IPython names it (``Cell In[3]``)."""
-    def label(match):
-        return f"{_file_label(match.group(1))}, line {match.group(2)}, in "
-
-    return _FILE_LINE.sub(label, tb)
-
-
-def _file_label(path: str) -> str:
-    """``Cell In[3]`` for a notebook cell, as IPython names it (its file is a temporary path of
-    the kernel's), else ``File "path"``."""
-    try:
-        from IPython import get_ipython
-
-        label = get_ipython().compile.format_code_name(path)
-    except Exception:  # noqa: BLE001 - no IPython, or not a cell: the plain form
-        label = None
-    return f"{label[0]} {label[1]}" if label else f'File "{path}"'

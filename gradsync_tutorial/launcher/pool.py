@@ -1,21 +1,23 @@
-"""The worker processes behind :func:`gradsync_tutorial.launch`, seen from the launcher.
+"""The pool: the worker processes of a launch, seen from the launcher, and what it knows of a job.
 
-:class:`_Workers` starts ``world_size`` fresh interpreters (``python -m
-gradsync_tutorial._worker``) and accepts their token-authenticated connections. It forwards
-every line they print into the calling cell as ``[rank r] ...``, collects their messages into a
-:class:`_JobState`, and stops them: each rank with every process below it, even one that left
-its process group or session (SIGTERM, then SIGKILL). The launcher waits for everything through
-one loop, :meth:`_Workers.pump`, so output keeps flowing while it waits; results are judged
-apart from output, so a rank that printed a lot is not taken for a rank still running.
+:class:`Workers` starts ``world_size`` fresh interpreters (``python -m
+gradsync_tutorial.launcher.worker``) and accepts their token-authenticated connections. It forwards
+every line they print into the calling cell as ``[rank r] ...``, records their messages in a
+:class:`JobState` (results, and failure records formatted only when an error is raised), and
+stops them, each rank with every process below it (:mod:`.process_tree`). The launcher drives a
+job through a few steps -- :meth:`~Workers.new_job`, :meth:`~Workers.wait_until_started`,
+:meth:`~Workers.run`, :meth:`~Workers.tear_down`, and on a failure
+:meth:`~Workers.stop_after_failure` or :meth:`~Workers.where_each_rank_is` -- and each step
+waits through one loop, :meth:`Workers.pump`, so output keeps flowing while it waits; results
+are judged apart from output, so a rank that printed a lot is not taken for a rank still running.
+The state sits beside the pump that feeds it: split into a module of its own, every step of a
+launch went back and forth between the two (so this module is the launcher's largest, ~400 lines).
 
 Nothing here ever blocks on a pipe: a rank's child can inherit the rank's stdout and keep it
 open after the rank is gone, so each reader thread owns its pipe and closes it at end of file,
 and stopping only waits a bounded time for the readers.
 
-Platforms: POSIX (Linux, macOS) stops a rank's process tree with signals, read from ``/proc``
-on Linux and from ``ps`` elsewhere; Windows has no signals and no process groups to signal,
-so ``taskkill /T /F`` stops the tree. Each branch is a small function below, tested with the
-platform monkeypatched.
+Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
 """
 
 from __future__ import annotations
@@ -25,37 +27,105 @@ import errno
 import os
 import queue
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
 
-from ._messages import Finished, Raised, Ready, StackReport
-from ._worker import END_MARK
-from .launch_errors import Failure, _with_cell_labels
+from . import hang_report
+from .cells import file_label, with_cell_labels
+from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
+from .process_tree import popen_kwargs, stop_trees
+from .protocol import (
+    CONTROL_ENV,
+    END_MARK,
+    END_MARK_ENV,
+    TOKEN_ENV,
+    WORKER_MODULE,
+    Finished,
+    Job,
+    Raised,
+    Ready,
+    StackReport,
+    StackRequest,
+    Teardown,
+)
 
-GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
 READER_JOIN_SECONDS = 2.0  # how long stopping waits for the output readers, all together
 TOKEN_BYTES = 16
 
 
-def _exit_failure(rank: int, returncode: int, started: bool) -> Failure:
-    """The record for a rank whose process ended without a result (``returncode`` < 0: signal)."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return Failure(rank, "killed", signal=name, during_startup=not started)
-    return Failure(rank, "exited", exit_code=returncode, during_startup=not started)
+class JobState:
+    """What the launcher knows about one job: results, failure records, end marks seen.
+
+        >>> state = JobState(job_id=1)
+        >>> state.on_message(1, Raised(1, "ValueError", "bad", "Traceback ...", None))
+        >>> state.failures[1].summary()
+        'rank 1 raised ValueError: bad'
+    """
+
+    def __init__(self, job_id: int):
+        self.job_id = job_id
+        self.results: dict[int, bytes] = {}
+        self.failures: dict[int, Failure] = {}  # in the order they were noticed
+        self.ready: set[int] = set()
+        self.stacks: dict[int, StackReport] = {}  # where each rank was, asked at a timeout
+        self.collectives: dict[int, int | None] = {}  # how many collectives a finished rank made
+        self.marks: set = set()
+        self.eofs: set = set()
+        self.sent = False  # has the job been sent (the ranks are past start-up)?
+        self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
+
+    def fail(self, failure: Failure) -> None:
+        if failure.rank not in self.failures:
+            self.failures[failure.rank] = failure
+
+    def on_message(self, rank: int, message: object) -> None:
+        if getattr(message, "job_id", None) != self.job_id:
+            return  # a late message from an earlier job
+        if isinstance(message, Finished):
+            self.results[rank] = message.result
+            self.collectives[rank] = message.collectives
+        elif isinstance(message, Raised):
+            self.fail(Failure(
+                rank, "raised", exc_type=message.exc_type, message=message.message,
+                traceback=with_cell_labels(message.traceback), exit_code=message.exit_code,
+                lost_peer=message.lost_peer, exception=message.exception,
+            ))
+        elif isinstance(message, Ready):
+            self.ready.add(rank)
+        elif isinstance(message, StackReport):
+            self.stacks[rank] = message
+
+    def output_complete(self, ranks: Iterable[int]) -> bool:
+        return all(
+            (r, s, self.job_id) in self.marks or (r, s) in self.eofs
+            for r in ranks for s in ("stdout", "stderr")
+        )
+
+    def rebuilt_results(self, world_size: int) -> tuple[list, RankFailedError | None]:
+        """The ranks' return values in rank order, or the error naming the rank whose value
+        cannot be rebuilt here (a class only the worker could import, say)."""
+        import cloudpickle
+
+        results = []
+        for rank in range(world_size):
+            try:
+                results.append(cloudpickle.loads(self.results[rank]))
+            except Exception as e:  # noqa: BLE001 - a class only the worker could import, say
+                failure = Failure(rank, "result", exc_type=type(e).__name__, message=str(e))
+                return [], rank_failed_error([failure], started=True)
+        return results, None
 
 
-class _Workers:
+class Deadline(Exception):
+    """A step's deadline passed (the launch timed out, or the workers did not start)."""
+
+
+class Workers:
     """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
 
     def __init__(self, world_size: int, key: tuple):
@@ -87,14 +157,14 @@ class _Workers:
 
     def _start_all(self) -> None:
         host, port = self.server.getsockname()[:2]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", GRADSYNC_CONTROL=f"{host}:{port}")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{CONTROL_ENV: f"{host}:{port}"})
         for rank in range(self.world_size):
-            env["GRADSYNC_TOKEN"] = self.tokens[rank].hex()
-            env["GRADSYNC_END_MARK"] = self.marks[rank]
+            env[TOKEN_ENV] = self.tokens[rank].hex()
+            env[END_MARK_ENV] = self.marks[rank]
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gradsync_tutorial._worker"],
+                [sys.executable, "-m", WORKER_MODULE],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, **_popen_kwargs(),
+                env=env, **popen_kwargs(),
             )
             self.procs.append(proc)
             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
@@ -165,9 +235,67 @@ class _Workers:
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
-    # -- the pump: everything the launcher waits for goes through here -------------------------
+    # -- one job, step by step: what the launcher calls ----------------------------------------
 
-    def pump(self, state: _JobState, deadline: float, done: Callable[[], bool]) -> None:
+    def new_job(self, show: Iterable[int] | None) -> JobState:
+        """Number a new job on these workers; print only the ranks ``show`` (None: all)."""
+        self.job_id += 1
+        self.show = set(range(self.world_size) if show is None else show)
+        return JobState(self.job_id)
+
+    def wait_until_started(self, state: JobState, deadline: float) -> None:
+        """Forward start-up output until every worker has connected back."""
+        self.pump(state, deadline, lambda: all(self.conns))
+
+    def run(self, state: JobState, jobs: Sequence[Job], deadline: float) -> None:
+        """Send each rank its job; wait until every rank returned, one failed, or ``deadline``."""
+        for rank, job in enumerate(jobs):
+            self.send(rank, job)
+        state.sent = True
+        self.pump(state, deadline, lambda: len(state.results) == self.world_size)
+
+    def tear_down(self, state: JobState, output_idle: float, seconds: float) -> None:
+        """Every rank returned: print the rest of their output (however long that takes), then
+        destroy their process groups (``seconds``), leaving them ready for the next job."""
+        self.drain_output(state, range(self.world_size), output_idle)
+        for rank in range(self.world_size):
+            self.send(rank, Teardown(state.job_id))
+        self.pump(state, time.monotonic() + seconds, lambda: len(state.ready) == self.world_size)
+
+    def stop_after_failure(self, state: JobState) -> RankFailedError:
+        """A rank failed: let the others report, stop them all, return the error to raise."""
+        world_size = self.world_size
+        # Give the other ranks a moment to report errors of their own (an error raised on every
+        # rank), then stop them all, and show what the failed ranks printed.
+        try:
+            self.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
+            if all(f.lost_peer for f in state.failures.values()):
+                # A rank lost its peer under a collective: the peer that went away is the story,
+                # and its exit can be noticed a moment after the survivor's report. Wait for it.
+                self.drain(state, lambda: not all(f.lost_peer for f in state.failures.values())
+                           or len(state.failures) == world_size, 2.0, note_exits=True)
+            self.drain(state, lambda: state.output_complete(state.failures), 0.5)
+        finally:  # the stop button pressed while the failure is being reported included
+            self.stop_despite_interrupts()
+        self.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
+        for rank, failure in state.failures.items():
+            failure.stderr_tail = tuple(state.stderr_tail[rank])
+        return rank_failed_error(list(state.failures.values()), state.sent)
+
+    def where_each_rank_is(self, state: JobState) -> str:
+        """At a timeout, before stopping the ranks: ask each for its stack, say who waits for
+        whom (:mod:`~gradsync_tutorial.launcher.hang_report`)."""
+        unfinished = [r for r in range(self.world_size) if r not in state.results]
+        for rank in unfinished:
+            self.send(rank, StackRequest(state.job_id))
+        self.drain(state, lambda: all(r in state.stacks or r in state.results
+                                      for r in unfinished), hang_report.STACK_SECONDS)
+        finished = {r: state.collectives.get(r) for r in state.results}
+        return hang_report.describe(self.world_size, state.stacks, finished, file_label)
+
+    # -- the pump: everything a step waits for goes through here -------------------------------
+
+    def pump(self, state: JobState, deadline: float, done: Callable[[], bool]) -> None:
         """Forward output and collect messages until ``done()``, a failure, or the deadline."""
         while not done():
             if not all(self.conns):
@@ -177,9 +305,9 @@ class _Workers:
             if state.failures:
                 return
             if time.monotonic() > deadline:
-                raise _Deadline
+                raise Deadline
 
-    def drain(self, state: _JobState, until: Callable[[], bool], seconds: float,
+    def drain(self, state: JobState, until: Callable[[], bool], seconds: float,
               note_exits: bool = False) -> None:
         """Keep forwarding output for up to ``seconds`` until ``until()``; never raises.
 
@@ -191,15 +319,15 @@ class _Workers:
             if note_exits:
                 self._note_exits(state)
 
-    def _note_exits(self, state: _JobState) -> None:
+    def _note_exits(self, state: JobState) -> None:
         """A rank whose process ended without reporting a result or an error has failed."""
         for rank, proc in enumerate(self.procs):
             if rank not in state.results and rank not in state.failures:
                 returncode = proc.poll()
                 if returncode is not None:
-                    state.fail(_exit_failure(rank, returncode, state.sent))
+                    state.fail(exit_failure(rank, returncode, state.sent))
 
-    def _handle_next_event(self, state: _JobState) -> None:
+    def _handle_next_event(self, state: JobState) -> None:
         """Record every message that arrived, then print one line (or note a mark or an EOF).
 
         Messages come first and on a queue of their own: a rank that printed a million lines
@@ -227,7 +355,7 @@ class _Workers:
         elif kind == "eof":
             state.eofs.add((rank, stream))
 
-    def drain_output(self, state: _JobState, ranks: Iterable[int], idle_seconds: float) -> None:
+    def drain_output(self, state: JobState, ranks: Iterable[int], idle_seconds: float) -> None:
         """Print the ranks' output up to their end-of-job marks, however long that takes.
 
         Gives up only when no output at all arrived for ``idle_seconds`` (a mark that never
@@ -250,25 +378,8 @@ class _Workers:
             pass  # it died: the pump sees the exit and reports it
 
     def stop(self) -> None:
-        """Stop every worker and everything it started; never blocks on a pipe.
-
-        Each rank's process tree is read *before* signalling it: a child that started a session
-        of its own is out of reach of the rank's process group, and once the rank is gone its
-        children are no longer below it.
-        """
-        trees = {proc.pid: _tree(proc) for proc in self.procs}
-        for proc in self.procs:
-            _signal_tree(proc, trees[proc.pid], signal.SIGTERM)
-        end = time.monotonic() + GRACE_SECONDS
-        for proc in self.procs:
-            try:
-                proc.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            pids = trees[proc.pid] | _tree(proc)  # and whatever it started meanwhile
-            _signal_tree(proc, pids, getattr(signal, "SIGKILL", signal.SIGTERM))
-            proc.wait()
+        """Stop every worker and everything it started; never blocks on a pipe."""
+        stop_trees(self.procs)
         self.close()
 
     def stop_despite_interrupts(self) -> None:
@@ -296,127 +407,3 @@ class _Workers:
 def _last_redraw(text: str) -> str:
     """A progress bar redrawn with ``\\r``: keep its last state."""
     return text.rsplit("\r", 1)[-1]
-
-
-# -- platforms: the only functions here that look at the operating system --------------------
-
-
-def _popen_kwargs() -> dict[str, Any]:
-    """Start a rank in a process group of its own, so that an interrupt for the notebook's
-    group (Jupyter's stop button) does not reach it: the launcher stops it, in order."""
-    if os.name == "posix":
-        return {"start_new_session": True}
-    return {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0x200)}
-
-
-def _tree(proc: subprocess.Popen) -> set[int]:
-    """The pids of every live process below ``proc`` (POSIX; Windows: taskkill finds them)."""
-    if os.name != "posix" or proc.poll() is not None:
-        return set()
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for pid, ppid in _process_table():
-        children[ppid].append(pid)
-    found: set[int] = set()
-    todo = [proc.pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _process_table() -> list[tuple[int, int]]:
-    """(pid, parent pid) of every process: from ``/proc`` on Linux, from ``ps`` elsewhere."""
-    if sys.platform.startswith("linux"):
-        table = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat", "rb") as f:
-                        stat = f.read()
-                except OSError:  # it ended meanwhile
-                    continue
-                # "pid (command) state ppid ...": the command may contain spaces and ")".
-                table.append((int(entry), int(stat.rsplit(b")", 1)[1].split()[1])))
-        return table
-    try:  # macOS and the BSDs have no /proc
-        out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [(int(a), int(b)) for a, b in (line.split() for line in out.splitlines()
-                                          if len(line.split()) == 2)]
-
-
-def _signal_tree(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
-    """Signal the worker, its process group, and the processes ``pids`` below it."""
-    if os.name != "posix":
-        if proc.poll() is None:
-            # No signals to send on Windows: taskkill stops the worker and its descendants.
-            try:
-                subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)],
-                               capture_output=True, timeout=30)
-            except (OSError, subprocess.SubprocessError):
-                pass
-            try:
-                proc.kill()
-            except OSError:
-                pass
-        return
-    try:
-        os.killpg(proc.pid, sig)  # the rank's own group: its data-loader workers, say
-    except OSError:  # ProcessLookupError: already gone; PermissionError: a zombie group
-        pass
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-
-class _Deadline(Exception):
-    pass
-
-
-class _JobState:
-    """What the launcher knows about one job: results, failure records, end marks seen."""
-
-    def __init__(self, job_id: int):
-        self.job_id = job_id
-        self.results: dict[int, bytes] = {}
-        self.failures: dict[int, Failure] = {}  # in the order they were noticed
-        self.ready: set[int] = set()
-        self.stacks: dict[int, StackReport] = {}  # where each rank was, asked at a timeout
-        self.collectives: dict[int, int | None] = {}  # how many collectives a finished rank made
-        self.marks: set = set()
-        self.eofs: set = set()
-        self.sent = False  # has the job been sent (the ranks are past start-up)?
-        self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
-
-    def fail(self, failure: Failure) -> None:
-        if failure.rank not in self.failures:
-            self.failures[failure.rank] = failure
-
-    def on_message(self, rank: int, message: object) -> None:
-        if getattr(message, "job_id", None) != self.job_id:
-            return  # a late message from an earlier job
-        if isinstance(message, Finished):
-            self.results[rank] = message.result
-            self.collectives[rank] = message.collectives
-        elif isinstance(message, Raised):
-            self.fail(Failure(
-                rank, "raised", exc_type=message.exc_type, message=message.message,
-                traceback=_with_cell_labels(message.traceback), exit_code=message.exit_code,
-                lost_peer=message.lost_peer, exception=message.exception,
-            ))
-        elif isinstance(message, Ready):
-            self.ready.add(rank)
-        elif isinstance(message, StackReport):
-            self.stacks[rank] = message
-
-    def output_complete(self, ranks: Iterable[int]) -> bool:
-        return all(
-            (r, s, self.job_id) in self.marks or (r, s) in self.eofs
-            for r in ranks for s in ("stdout", "stderr")
-        )

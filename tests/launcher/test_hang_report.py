@@ -1,7 +1,7 @@
 """A hang says where each rank is: at the timeout, each rank's own line, how many collectives it
-entered, and which rank never reached the collective the others wait in (issue 13).
+entered, and which rank never reached the collective the others wait in.
 
-The functions are defined as a notebook cell defines them (see `cell` in test_own_group), so
+The functions are defined as a notebook cell defines them (see `cell` in tests/programs), so
 the report's lines are the cell's. Times are printed, not asserted (a loaded 2-core machine).
 """
 
@@ -14,8 +14,8 @@ import pytest
 import gradsync_tutorial as gst
 from gradsync_tutorial.launcher import LaunchTimeoutError
 
-from .conftest import worker_pids
-from .test_own_group import cell
+from ..conftest import worker_pids
+from ..programs import cell
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 

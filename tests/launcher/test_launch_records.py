@@ -14,15 +14,15 @@ import time
 import pytest
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launch_errors import Failure, _blame, _fold_cpp_frames, _rank_failed_error
 from gradsync_tutorial.launcher import RankFailedError
+from gradsync_tutorial.launcher.errors import Failure, _blame, _fold_cpp_frames, rank_failed_error
 
-from .conftest import worker_pids
+from ..conftest import worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 
 
-# -- blame from fields, not from words in the text (issue 16, group 7) -----------------------
+# -- blame from fields, not from words in the text -------------------------------------------
 
 
 def test_a_type_whose_name_contains_peer_is_not_a_lost_peer():
@@ -57,7 +57,7 @@ def test_blame_reads_the_lost_peer_field_only():
 
 
 def test_the_worker_decides_lost_peer_from_where_the_error_was_raised():
-    from gradsync_tutorial._worker import _lost_peer
+    from gradsync_tutorial.launcher.worker import _lost_peer
 
     assert not _lost_peer(TypeError("peer"), "peer")
     # A RuntimeError with the words, but raised in the user's code, not in torch.distributed.
@@ -98,11 +98,11 @@ def test_cpp_frames_are_folded_into_one_note():
                                          "[127.0.0.1]:7364 [3 lines of C++ stack folded]")
     lost = Failure(0, "raised", exc_type="DistBackendError", message=message, lost_peer=True)
     died = Failure(1, "exited", exit_code=3)
-    text = str(_rank_failed_error([lost, died], started=True))
+    text = str(rank_failed_error([lost, died], started=True))
     assert "frame #" not in text and "3 lines of C++ stack folded" in text
 
 
-# -- errors that must not crash the worker or reach the notebook raw (issue 16, group 13) -----
+# -- errors that must not crash the worker or reach the notebook raw --------------------------
 
 
 class _StrRaises(Exception):
@@ -162,7 +162,7 @@ def test_a_cyclic_result_comes_back_or_names_the_rank():
     assert gst.launch(lambda rank, ws: rank, 2) == [0, 1]
 
 
-# -- frictions met when bringing code from elsewhere (issue 13) -----------------------------
+# -- frictions met when bringing code from elsewhere -----------------------------------------
 
 
 def test_user_variables_reach_the_ranks_but_not_the_launchers_own(monkeypatch):
@@ -235,7 +235,7 @@ def test_sys_exit_in_a_rank(capsys):
 
 
 def test_methods_of_a_class_from_a_notebook_cell_point_to_the_cell(capsys):
-    from .test_own_group import cell
+    from ..programs import cell
 
     ns = cell("""
         import warnings

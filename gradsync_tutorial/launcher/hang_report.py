@@ -2,7 +2,7 @@
 
 The most common bug in distributed code is a collective that not every rank calls. At the
 timeout, before stopping the ranks, the launcher asks each unfinished rank for a
-:class:`~gradsync_tutorial._messages.StackReport`: its own frames (the notebook's code, not
+:class:`~gradsync_tutorial.launcher.protocol.StackReport`: its own frames (the notebook's code, not
 torch's or the launcher's), the ``torch.distributed`` call it is blocked in, and how many
 collectives it had entered (counted by :class:`gradsync_tutorial.detect.CollectiveCounter`).
 :func:`describe` turns the reports into the paragraph a :class:`LaunchTimeoutError` shows::
@@ -22,8 +22,8 @@ import sysconfig
 import traceback
 from collections.abc import Iterable
 
-from ._messages import Frame, StackReport
-from ._wording import plural, ranks
+from .._wording import plural, ranks
+from .protocol import Frame, StackReport
 
 STACK_SECONDS = 1.0  # how long the launcher waits for the ranks' stacks at a timeout
 
@@ -31,7 +31,7 @@ STACK_SECONDS = 1.0  # how long the launcher waits for the ranks' stacks at a ti
 _NOT_OWN = tuple(
     os.path.join(os.path.realpath(p), "")
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    | {os.path.dirname(os.path.abspath(__file__))}
+    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # the whole package
 )
 
 

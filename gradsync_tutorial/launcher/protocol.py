@@ -1,11 +1,12 @@
-"""What the launcher and a worker say to each other, one small class per message.
+"""What the launcher and a worker say to each other: one small class per message, and the
+names both sides must agree on (the worker's module, its variables, the end-of-job mark).
 
-The launcher (:mod:`gradsync_tutorial._processes`) and each worker
-(:mod:`gradsync_tutorial._worker`) exchange these over a
+The launcher (:mod:`gradsync_tutorial.launcher.pool`) and each worker
+(:mod:`gradsync_tutorial.launcher.worker`) exchange these over a
 :class:`multiprocessing.connection.Connection`, which pickles them. Both sides import this
 module, so it imports nothing heavy (no torch).
 
-    >>> from gradsync_tutorial._messages import Finished
+    >>> from gradsync_tutorial.launcher.protocol import Finished
     >>> Finished(job_id=1, result=b"...").job_id
     1
 
@@ -17,19 +18,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: What the launcher runs for each rank, ``python -m WORKER_MODULE`` (tests look for it too).
+WORKER_MODULE = "gradsync_tutorial.launcher.worker"
+
+# How a worker finds the launcher: the variables the launcher starts it with.
+CONTROL_ENV = "GRADSYNC_CONTROL"  # host:port of the launcher's socket
+TOKEN_ENV = "GRADSYNC_TOKEN"  # the secret the worker proves itself with, hex
+END_MARK_ENV = "GRADSYNC_END_MARK"  # END_MARK with a secret of the worker's own appended
 # The launcher's own variables for a worker (where to connect, its token): never passed on to
 # a job. Every other variable of the notebook's environment reaches the ranks (GRADSYNC_DATA...).
-PRIVATE_ENV = ("GRADSYNC_CONTROL", "GRADSYNC_TOKEN")
+PRIVATE_ENV = (CONTROL_ENV, TOKEN_ENV)
+
+#: Written on stdout and stderr after each job, with the job's id, so the launcher knows it has
+#: every line. Each worker's mark carries a secret (END_MARK_ENV), so no line fn prints can pass
+#: for it.
+END_MARK = "\x1egradsync-end-of-job"
+
+
+@dataclass(frozen=True)
+class JobMessage:
+    """Every message names the job it belongs to: a late message from an earlier job (a rank
+    that answered after a timeout, say) is recognised and dropped."""
+
+    job_id: int
 
 
 # -- launcher -> worker ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(JobMessage):
     """Run ``fn(rank, world_size, *args)`` once; ``payload`` is ``cloudpickle((fn, args))``."""
 
-    job_id: int
     payload: bytes
     env: dict[str, str]  # the notebook's environment plus torchrun's variables
     cwd: str
@@ -41,34 +61,27 @@ class Job:
     sources: dict[str, list[str]] = field(default_factory=dict)  # cell file -> its lines
 
 
-@dataclass(frozen=True)
-class Teardown:
+class Teardown(JobMessage):
     """The job is over on every rank: destroy the process group, then say :class:`Ready`."""
 
-    job_id: int
 
-
-@dataclass(frozen=True)
-class StackRequest:
+class StackRequest(JobMessage):
     """The launch timed out: report where the job's main thread is (:class:`StackReport`)."""
-
-    job_id: int
 
 
 # -- worker -> launcher ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(JobMessage):
     """``fn`` returned; ``result`` is its return value, cloudpickled."""
 
-    job_id: int
     result: bytes
     collectives: int | None = None  # how many collective calls fn made
 
 
 @dataclass(frozen=True)
-class Raised:
+class Raised(JobMessage):
     """``fn`` raised (or its result could not be sent back).
 
     ``lost_peer``: the exception came out of torch.distributed because a peer's connection
@@ -76,7 +89,6 @@ class Raised:
     ``exit_code``: set when ``fn`` called ``sys.exit(code)`` with a non-zero code.
     """
 
-    job_id: int
     exc_type: str
     message: str
     traceback: str
@@ -85,11 +97,8 @@ class Raised:
     exit_code: int | None = None
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(JobMessage):
     """The worker tore the job's process group down and waits for the next job."""
-
-    job_id: int
 
 
 @dataclass(frozen=True)
@@ -103,7 +112,7 @@ class Frame:
 
 
 @dataclass(frozen=True)
-class StackReport:
+class StackReport(JobMessage):
     """Where a rank's job was when the launcher asked.
 
     ``frames``: the rank's own frames, outermost first (the launcher's and torch's left out).
@@ -112,7 +121,6 @@ class StackReport:
     it had entered so far, ``None`` if unknown.
     """
 
-    job_id: int
     frames: tuple[Frame, ...]
     waiting_in: str
     collectives: int | None

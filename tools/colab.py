@@ -1,7 +1,7 @@
 """Add "Open in Colab" badges and a Colab install cell to the course, for a public repository URL.
 
-    python scripts/colab.py https://github.com/OWNER/NAME              # branch main
-    python scripts/colab.py https://github.com/OWNER/NAME --branch v1  # another branch or tag
+    python tools/colab.py https://github.com/OWNER/NAME              # branch main
+    python tools/colab.py https://github.com/OWNER/NAME --branch v1  # another branch or tag
 
 A notebook opened in Colab arrives alone: without this repository, so without the helper
 package. This script makes every notebook fit for that, in place, and it can run again (a second

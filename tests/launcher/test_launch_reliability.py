@@ -1,6 +1,6 @@
-"""gradsync_tutorial.launch under adversarial use (issue 16): hangs, leaks, odd output, odd
-results, reused ports, bad arguments, state left behind by a previous job, and the platform
-branches of the process code (issue 13), each monkeypatched so that Linux runs them all.
+"""gradsync_tutorial.launch under adversarial use: hangs, leaks, odd output, odd results, reused
+ports, state left behind by a previous job, and the platform branches of the process code, each
+monkeypatched so that Linux runs them all (bad arguments: test_preflight.py).
 
 Every test here failed before the fix it checks. Tests that need a real process tree read
 /proc and are Linux-only; the platform tests run everywhere.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
-import math
 import os
 import signal
 import socket
@@ -24,10 +23,18 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial import _processes, _worker, launcher
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
+from gradsync_tutorial.launcher import (
+    LaunchTimeoutError,
+    RankFailedError,
+    pool,
+    preflight,
+    process_tree,
+    run,
+)
+from gradsync_tutorial.launcher import worker as _worker
+from gradsync_tutorial.launcher.protocol import END_MARK
 
-from .conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, start_kernel_like, wait_dead, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -35,15 +42,6 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 def _ok(rank, world_size):
     return rank
-
-
-def _wait_dead(pids, seconds=15.0) -> list[int]:
-    """Wait until every pid has ended; return those still alive (a generous bound, not a
-    timing: it only tells "ended" from "still running a 60-second sleep")."""
-    deadline = time.monotonic() + seconds
-    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if pid_alive(p)]
 
 
 def _run_script(code: str, timeout: float = 150) -> tuple[int | None, str, str]:
@@ -97,7 +95,7 @@ def test_rank_child_in_its_own_session_neither_hangs_nor_survives():
     assert "failed as expected: rank 1 raised ValueError" in out and "done" in out
     children = [int(line.split()[-1]) for line in out.splitlines() if " child " in line]
     assert len(children) == 8
-    assert _wait_dead(children) == [], "a rank's child outlived its rank"
+    assert wait_dead(children) == [], "a rank's child outlived its rank"
 
 
 KILLED_KERNEL = """
@@ -118,34 +116,26 @@ KILLED_KERNEL = """
 
 @linux_only
 def test_rank_holding_the_gil_and_its_forked_child_die_with_the_kernel():
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_KERNEL)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    pids = []
-    deadline = time.monotonic() + 120
-    while len(pids) < 4 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if " pid " in line:
-            pids += [int(p) for p in line.split()[-2:]]
-    assert len(pids) == 4
+    proc, pids = start_kernel_like(KILLED_KERNEL, count=4, seconds=120)  # ranks and children
     time.sleep(0.5)  # let both ranks enter the GIL-holding sleep
     proc.kill()  # SIGKILL: no cleanup code runs in the kernel
     proc.wait()
     proc.stdout.close()
-    assert _wait_dead(pids) == [], "a rank, or a process it forked, outlived the kernel"
+    assert wait_dead(pids) == [], "a rank, or a process it forked, outlived the kernel"
 
 
 # -- 3: everything started is stopped, on every path -----------------------------------------
 
 
 def test_stop_pressed_while_a_failure_is_reported(monkeypatch):
-    drain = _processes._Workers.drain
+    drain = pool.Workers.drain
 
     def interrupted(self, state, *args, **kwargs):
         if state.failures:
             raise KeyboardInterrupt  # the stop button, while launch waits for other reports
         return drain(self, state, *args, **kwargs)
 
-    monkeypatch.setattr(_processes._Workers, "drain", interrupted)
+    monkeypatch.setattr(pool.Workers, "drain", interrupted)
 
     def fn(rank, world_size):
         if rank == 1:
@@ -207,10 +197,10 @@ def test_world_size_beyond_the_file_descriptor_limit_is_refused_before_starting(
 
 @pytest.mark.skipif(not hasattr(os, "sysconf"), reason="no sysconf on Windows")
 def test_world_size_beyond_the_memory_is_refused_with_the_largest_that_fits(monkeypatch):
-    if launcher._max_world_size()[0] < 2:
+    if preflight.max_world_size()[0] < 2:
         pytest.skip("this machine cannot start 2 ranks")
     per_rank = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
-    monkeypatch.setattr(launcher, "RANK_MEMORY_BYTES", per_rank)
+    monkeypatch.setattr(preflight, "RANK_MEMORY_BYTES", per_rank)
     with pytest.raises(ValueError, match=r"world_size=5 is more ranks .* GB.*world_size=3 or f"):
         gst.launch(_ok, world_size=5)
     assert worker_pids() == []
@@ -239,7 +229,7 @@ def test_a_line_that_looks_like_the_end_mark_is_printed_and_breaks_nothing(capsy
         print(f"after {rank}")
 
     for _ in range(2):
-        gst.launch(fn, world_size=2, args=(_worker.END_MARK,))
+        gst.launch(fn, world_size=2, args=(END_MARK,))
     out, _ = capsys.readouterr()
     assert out.count("gradsync-end-of-job 1") == 4
     assert out.count("gradsync-end-of-job not-a-job-number") == 4
@@ -325,29 +315,7 @@ def test_master_port_of_a_failed_launch_can_be_used_again_at_once():
         str(port)] * 2
 
 
-# -- 9: bad arguments, checked before any process starts -------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"show_ranks": 1}, TypeError, r"show_ranks must be a list of ranks.*show_ranks=\[1\]"),
-        ({"show_ranks": "0"}, TypeError, "show_ranks must be a list of ranks"),
-        ({"show_ranks": ["0"]}, ValueError, r"names ranks \['0'\]"),
-        ({"timeout": math.nan}, ValueError, r"positive number of seconds \(finite\)"),
-        ({"timeout": math.inf}, ValueError, "timeout=24 \\* 3600"),
-        ({"timeout": -5}, ValueError, r"positive number of seconds \(finite\)"),
-        ({"master_port": 70000}, ValueError, "master_port must be an int port number in 1..65535"),
-        ({"master_port": -1}, ValueError, "master_port must be an int"),
-        ({"master_port": "29500"}, ValueError, "master_port must be an int"),
-        ({"master_port": 29500.0}, ValueError, "master_port must be an int"),
-    ],
-)
-def test_bad_arguments_get_a_message_before_any_process_starts(kwargs, error, match):
-    gst.shutdown_workers()
-    with pytest.raises(error, match=match):
-        gst.launch(_ok, world_size=2, **kwargs)
-    assert worker_pids() == []
+# -- 9: bad arguments: tests/launcher/test_preflight.py -----------------------------------------
 
 
 def test_show_ranks_given_as_an_iterator_shows_those_ranks(capsys):
@@ -446,7 +414,7 @@ def test_rendezvous_store_listens_on_loopback_only():
         assert addresses == ["0100007F"]  # 127.0.0.1 only, nothing on 0.0.0.0 or ::
 
 
-# -- issue 13, platforms: each branch, with the platform monkeypatched -----------------------
+# -- platforms: each branch, with the platform monkeypatched ---------------------------------
 
 
 class _FakeProc:
@@ -468,10 +436,10 @@ def test_windows_branch_starts_in_a_new_group_and_stops_the_tree_with_taskkill(m
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     monkeypatch.setattr(os, "killpg", lambda *a: pytest.fail("no killpg on Windows"),
                         raising=False)
-    assert _processes._popen_kwargs() == {"creationflags": 0x200}  # CREATE_NEW_PROCESS_GROUP
+    assert process_tree.popen_kwargs() == {"creationflags": 0x200}  # CREATE_NEW_PROCESS_GROUP
     proc = _FakeProc()
-    assert _processes._tree(proc) == set()  # taskkill /T finds the tree itself
-    _processes._signal_tree(proc, set(), signal.SIGTERM)
+    assert process_tree.tree(proc) == set()  # taskkill /T finds the tree itself
+    process_tree.signal_tree(proc, set(), signal.SIGTERM)
     assert calls == [["taskkill", "/F", "/T", "/PID", "424242"]] and proc.killed
 
 
@@ -481,8 +449,8 @@ def test_posix_branch_starts_a_new_session_and_signals_group_and_tree(monkeypatc
     monkeypatch.setattr(os, "killpg", lambda pid, sig: sent.append(("group", pid, sig)),
                         raising=False)
     monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(("pid", pid, sig)))
-    assert _processes._popen_kwargs() == {"start_new_session": True}
-    _processes._signal_tree(_FakeProc(), {7, 8}, 15)
+    assert process_tree.popen_kwargs() == {"start_new_session": True}
+    process_tree.signal_tree(_FakeProc(), {7, 8}, 15)
     assert sent[0] == ("group", 424242, 15) and sorted(sent[1:]) == [("pid", 7, 15),
                                                                     ("pid", 8, 15)]
 
@@ -494,16 +462,16 @@ def test_macos_branch_reads_the_process_table_from_ps(monkeypatch):
         stdout = "  1     0\n 10     1\n 11    10\n 12    11\n garbage\n"
 
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: Done)
-    assert _processes._process_table() == [(1, 0), (10, 1), (11, 10), (12, 11)]
+    assert process_tree.process_table() == [(1, 0), (10, 1), (11, 10), (12, 11)]
     proc = _FakeProc()
     proc.pid = 10
     monkeypatch.setattr(os, "name", "posix")
-    assert _processes._tree(proc) == {11, 12}  # the child and the grandchild
+    assert process_tree.tree(proc) == {11, 12}  # the child and the grandchild
 
 
 @linux_only
 def test_linux_branch_reads_the_process_table_from_proc():
-    table = dict(_processes._process_table())
+    table = dict(process_tree.process_table())
     assert table[os.getpid()] == os.getppid()
 
 
@@ -521,7 +489,7 @@ def test_store_on_windows_binds_its_own_port(monkeypatch):
     made = []
     monkeypatch.setattr(os, "name", "nt")
     monkeypatch.setattr(dist, "TCPStore", lambda host, port, **kw: made.append((host, kw)))
-    launcher._rendezvous_store(None, 5)
+    run._rendezvous_store(None, 5)
     assert made[0][0] == "127.0.0.1" and "master_listen_fd" not in made[0][1]
 
 
@@ -529,13 +497,13 @@ def test_limits_without_sysconf_or_resource(monkeypatch):
     """Windows has neither os.sysconf nor the resource module: no cap, and no crash."""
     monkeypatch.delattr(os, "sysconf")
     monkeypatch.setitem(sys.modules, "resource", None)  # import resource -> ImportError
-    assert launcher._max_world_size() == (sys.maxsize, "")
+    assert preflight.max_world_size() == (sys.maxsize, "")
 
 
 def test_cpu_count_without_sched_getaffinity(monkeypatch):
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
-    assert launcher._cpu_count() == 6
+    assert preflight.cpu_count() == 6
 
 
 def test_a_job_timeout_still_ends_on_time_with_output_pending():

@@ -1,6 +1,6 @@
 """The worker side of :func:`gradsync_tutorial.launch`: one fresh interpreter per rank.
 
-Started by the launcher as ``python -m gradsync_tutorial._worker``, never by hand. It
+Started by the launcher as ``python -m gradsync_tutorial.launcher.worker``, never by hand. It
 
 1. imports torch (the slow part, ~2 s) while the notebook is still busy,
 2. connects back to the launcher over a loopback socket and proves itself with a token,
@@ -35,14 +35,22 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
-from gradsync_tutorial import _own_group, _where
-from gradsync_tutorial._messages import Finished, Job, Raised, Ready, StackRequest, Teardown
+from gradsync_tutorial.launcher import hang_report as _where
+from gradsync_tutorial.launcher import own_group as _own_group
+from gradsync_tutorial.launcher.protocol import (
+    CONTROL_ENV,
+    END_MARK,
+    END_MARK_ENV,
+    TOKEN_ENV,
+    Finished,
+    Job,
+    Raised,
+    Ready,
+    StackRequest,
+    Teardown,
+)
 
-# Written on stdout and stderr after each job so the launcher knows it has every line. The
-# launcher gives each worker the mark with a secret appended (GRADSYNC_END_MARK), so that no
-# line fn prints can pass for it.
-END_MARK = "\x1egradsync-end-of-job"
-_mark = END_MARK
+_mark = END_MARK  # this worker's own: END_MARK and its secret, read at start-up
 
 
 def _dumps_result(obj) -> bytes:
@@ -296,13 +304,12 @@ def _safe_repr(obj: object) -> str:
 
 def _plumbing(frame: traceback.FrameSummary) -> bool:
     """The launcher's wrappers around torch.distributed calls: not part of the reader's story."""
-    name = os.path.basename(frame.filename)
-    in_package = os.path.dirname(os.path.abspath(frame.filename)) == _PACKAGE
-    return in_package and (name == "_own_group.py" or (name == "detect.py"
-                                                        and frame.name == "counted"))
+    path = os.path.abspath(frame.filename)
+    return path == _OWN_GROUP or (path == _DETECT and frame.name == "counted")
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(_own_group.__file__))
+_OWN_GROUP = os.path.abspath(_own_group.__file__)
+_DETECT = os.path.join(os.path.dirname(os.path.dirname(_OWN_GROUP)), "detect.py")
 
 
 def _hide_plumbing(shown: traceback.TracebackException, depth: int = 0) -> None:
@@ -340,8 +347,8 @@ def _raised(job_id: int, exc: BaseException) -> Raised:
 
 
 def _connect() -> Connection:
-    host, port = os.environ.pop("GRADSYNC_CONTROL").rsplit(":", 1)
-    token = bytes.fromhex(os.environ.pop("GRADSYNC_TOKEN"))
+    host, port = os.environ.pop(CONTROL_ENV).rsplit(":", 1)
+    token = bytes.fromhex(os.environ.pop(TOKEN_ENV))
     sock = socket.create_connection((host, int(port)))
     sock.sendall(token)
     return Connection(sock.detach())
@@ -366,7 +373,7 @@ def main() -> None:
     _die_with_parent()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_die_with_parent)
-    _mark = os.environ.pop("GRADSYNC_END_MARK", END_MARK)
+    _mark = os.environ.pop(END_MARK_ENV, END_MARK)
     import torch  # noqa: F401 - preload: by the time the first job arrives this is done
     import torch.distributed  # noqa: F401
 

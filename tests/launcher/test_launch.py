@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError
+from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, preflight, run
 
-from .conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, start_kernel_like, wait_dead, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 # Signals (SIGKILL, SIGABRT), process groups and sessions: POSIX only.
@@ -62,7 +62,7 @@ def test_worker_environment_is_torchruns():
         }
 
     results = gst.launch(fn, world_size=2)
-    cores = gst.launcher._cpu_count()  # the cores this process may use, on every platform
+    cores = preflight.cpu_count()  # the cores this process may use, on every platform
     for rank, env in enumerate(results):
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank) == str(env["dist_rank"])
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
@@ -180,7 +180,7 @@ def test_function_defined_in_a_notebook_cell():
     # the line that raised, though hidden): no "During handling of ..." chain, no helper frames.
     assert "1 / 0" in shown and "gst.launch(lambda" in shown
     assert "Cell In[3], line 1, in <lambda>" in error["evalue"]  # not the kernel's temp file
-    assert "launcher.py" not in shown and "gradsync_tutorial" not in shown, shown
+    assert "run.py" not in shown and "gradsync_tutorial" not in shown, shown
     assert "During handling" not in shown
 
 
@@ -249,19 +249,19 @@ def test_rank_dies_without_result(how, expected):
 def test_the_rank_that_died_is_blamed_even_when_its_peer_reports_first():
     """gloo's "Read error ... Connection reset by peer" on rank 0 can arrive before the launcher
     sees rank 1's process end; rank 1 is still the story."""
-    from gradsync_tutorial._messages import Raised
-    from gradsync_tutorial._processes import _exit_failure, _JobState
-    from gradsync_tutorial.launch_errors import _blame, _rank_failed_error
+    from gradsync_tutorial.launcher.errors import _blame, exit_failure, rank_failed_error
+    from gradsync_tutorial.launcher.pool import JobState
+    from gradsync_tutorial.launcher.protocol import Raised
 
-    state = _JobState(1)
+    state = JobState(1)
     state.sent = True
     state.on_message(0, Raised(1, "RuntimeError", "[pair.cc:545] Read error [127.0.0.1]:"
                                "41234: Connection reset by peer", "Traceback ...", None,
                                lost_peer=True))
-    state.fail(_exit_failure(1, -signal.SIGKILL, started=True))
+    state.fail(exit_failure(1, -signal.SIGKILL, started=True))
     failures = list(state.failures.values())
     assert _blame(failures).rank == 1
-    message = str(_rank_failed_error(failures, started=True))
+    message = str(rank_failed_error(failures, started=True))
     assert message.startswith("rank 1 was killed by SIGKILL before returning a result")
     assert "rank 0 raised RuntimeError" in message
     assert "(a consequence: a peer went away)" in message
@@ -295,7 +295,7 @@ def test_timeout_counts_from_ready_ranks_not_from_start_up():
 
 
 def test_workers_that_do_not_start_in_time_are_reported(monkeypatch):
-    monkeypatch.setattr(gst.launcher, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
+    monkeypatch.setattr(run, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
     gst.shutdown_workers()
     with pytest.raises(LaunchTimeoutError, match="worker processes did not start within 0.2 s"):
         gst.launch(_ok, world_size=2, timeout=0.2)
@@ -340,46 +340,25 @@ KERNEL_SCRIPT = """
 """
 
 
-def _start_kernel_like(code: str) -> tuple[subprocess.Popen, list[int]]:
-    """Start a script that launches 2 sleeping ranks; return it and the ranks' pids."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    pids = []
-    deadline = time.monotonic() + 60
-    while len(pids) < 2 and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if " pid " in line:
-            pids.append(int(line.split()[-1]))
-    assert len(pids) == 2
-    return proc, pids
-
-
-def _wait_dead(pids, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(map(pid_alive, pids))
-
-
 @posix_only
 @pytest.mark.parametrize("target", ["process", "process group"])
 def test_sigint_to_kernel_stops_ranks(target):
-    proc, pids = _start_kernel_like(KERNEL_SCRIPT)
+    proc, pids = start_kernel_like(KERNEL_SCRIPT)
     if target == "process":
         proc.send_signal(signal.SIGINT)
     else:  # what Jupyter's stop button does to a kernel started in its own group
         os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 42 and "KeyboardInterrupt" in out
-    assert _wait_dead(pids)
+    assert wait_dead(pids) == []
 
 
 @posix_only
 def test_killed_kernel_leaves_no_orphans():
-    proc, pids = _start_kernel_like(KERNEL_SCRIPT)
+    proc, pids = start_kernel_like(KERNEL_SCRIPT)
     proc.kill()  # SIGKILL: no cleanup code runs in the kernel at all
     proc.wait()
-    assert _wait_dead(pids), "workers outlived a killed kernel"
+    assert wait_dead(pids) == [], "workers outlived a killed kernel"
 
 
 def test_two_launches_at_once_do_not_collide():
@@ -424,37 +403,6 @@ def test_taken_master_port_fails_fast_and_busy_env_port_is_ignored(monkeypatch):
 
 def _ok(rank, world_size):
     return rank
-
-
-def _needs_three(rank, world_size, a, b, c):
-    return rank
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"world_size": 0}, ValueError, "world_size must be a positive int"),
-        ({"world_size": 1.5}, ValueError, "world_size must be a positive int"),
-        ({"world_size": True}, ValueError, "world_size must be a positive int"),
-        ({"fn": 42}, TypeError, "fn must be a function taking"),
-        ({"fn": lambda: 0}, TypeError, r"launch calls fn\(rank, world_size, \*args\)"),
-        ({"fn": _needs_three, "args": (1,)}, TypeError, "cannot take 3 positional"),
-        ({"args": 5}, TypeError, r"args=\(5,\)"),
-        ({"fn": lambda r, w, lock: 0, "args": (threading.Lock(),)}, TypeError,
-         "could not send fn and args"),
-        ({"backend": "mpi"}, ValueError, "unknown backend 'mpi'"),
-        ({"timeout": 0}, ValueError, "timeout must be a positive number"),
-        ({"num_threads": 0}, ValueError, "num_threads must be a positive int"),
-        ({"show_ranks": [2]}, ValueError, r"outside 0..1"),
-    ],
-)
-def test_bad_input_fails_fast(kwargs, error, match):
-    call = {"fn": _ok, "world_size": 2} | kwargs
-    start = time.monotonic()
-    with pytest.raises(error, match=match):
-        gst.launch(call.pop("fn"), **call)
-    assert time.monotonic() - start < 1.0
-    assert worker_pids() == []
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs")
