@@ -1,4 +1,6 @@
-# make lab   - set up .venv (first time only) and open the course in JupyterLab
+# make lab   - set up .venv (first time only) and open the course in JupyterLab; as root too,
+#   and without a desktop it prints how to open it from a laptop. LAB_ARGS="--port 9999" (or
+#   "--ip 0.0.0.0") adds options of `jupyter lab` (gradsync_tutorial/lab.py).
 # make test  - set up .venv (first time only) and run every test, notebooks included (nbval)
 # make e2e   - only the end-to-end suite: the course in JupyterLab, in Chromium (tests/e2e)
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
@@ -7,6 +9,11 @@
 # make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
 #   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
+# make site  - the course as a website, from the committed notebooks (no execution), into
+#   build/site/html/ (installs the `site` extra; docs/build.py). PY= works as for notebooks.
+# make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
+#   checks of notebooks 01-03 and 07-09 on the GPUs, one table for the README (~10 min; every
+#   part skipped, with the reason, without a GPU). PY= as for make notebooks.
 # make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
@@ -16,8 +23,10 @@ STAMP  := $(VENV)/.installed
 DATA_FLAGS ?=
 PY     ?= $(BIN)/python
 NB     ?=
+LAB_ARGS ?=
+SITE_STAMP := $(VENV)/.installed-site
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks images
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images site gpu-check
 
 install: $(STAMP)
 
@@ -35,8 +44,9 @@ data: $(STAMP)
 doctor: $(STAMP)
 	$(BIN)/python -m gradsync_tutorial doctor
 
-lab: data
-	$(BIN)/jupyter lab notebooks/
+# exec: make's own child is the launcher, so stopping make (SIGTERM) stops the server too
+lab: $(if $(filter $(BIN)/python,$(PY)),data)
+	exec $(PY) -m gradsync_tutorial lab $(LAB_ARGS)
 
 test: data
 	$(BIN)/python -m pytest
@@ -48,14 +58,25 @@ bench: data
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/epoch_time.py
 	$(BIN)/python benchmarks/averaging.py
+	$(BIN)/python benchmarks/exercise_checks.py
 
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
-	$(PY) scripts/notebooks.py $(NB)
+	$(PY) tools/build_notebooks.py $(NB)
+
+$(SITE_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e '.[site]'
+	touch $(SITE_STAMP)
+
+site: $(if $(filter $(BIN)/python,$(PY)),$(SITE_STAMP))
+	$(PY) docs/build.py build/site
+
+gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) -m tests.gpu.check
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py
-	$(PY) scripts/notebooks.py --images
+	$(PY) tools/build_notebooks.py --images
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,17 +5,22 @@ Every notebook imports it the same way::
     import gradsync_tutorial as gst
     gst.launch(train, world_size=2)
 
-One module per concept: ``launcher`` (``launch``: run a notebook function on N ranks), ``data``
-(Fashion-MNIST as in-memory tensors), ``model`` (the course's CNN), ``checks`` (are the
-replicas equal?), ``plots`` (per-rank loss curves), ``detect`` (notebook 04's bug detectors),
-``averaging`` (notebook 05's averaging variants), ``exercises`` (the exercises' self-checks).
-Submodules are imported on first use, so that ``python -m gradsync_tutorial._worker`` starts
-without paying for matplotlib.
+One module per idea of the course, each introduced in a notebook that its docstring names
+(``data``, ``model``, ``checks``, ``plots``, ``notebooks``, ``detect``, ``averaging``, ...; the
+README's "Repository layout" lists them all). Two are the course's machinery rather than a
+lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function on N ranks
+(notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per rank, else the
+CPU" rule. ``exercises`` holds the exercises' self-checks, ``doctor`` checks a machine.
+
+Every module is ``gst.<name>``, imported on first use, so that a rank started by ``gst.launch``
+(``python -m gradsync_tutorial.launcher.worker``) does not pay for matplotlib, and a torchrun
+script that imports ``local_device`` loads no launcher.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 __version__ = "0.1.0"
 
@@ -23,13 +28,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "launch": "launcher",
     "shutdown_workers": "launcher",
-    "local_device": "launcher",
+    "local_device": "device",
     "LaunchError": "launcher",
     "RankFailedError": "launcher",
     "LaunchTimeoutError": "launcher",
 }
-_SUBMODULES = ("launcher", "data", "model", "checks", "plots", "detect", "averaging", "exercises",
-               "notebooks")
+# Every module and folder of the package is gst.<name>, found rather than listed: a new lesson
+# module needs no line here.
+_SUBMODULES = tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 __all__ = sorted(set(_EXPORTS) | set(_SUBMODULES))
 

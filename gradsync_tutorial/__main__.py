@@ -1,6 +1,7 @@
 """``python -m gradsync_tutorial <command>``: the course's command line.
 
     python -m gradsync_tutorial doctor      # is this machine ready for the course?
+    python -m gradsync_tutorial lab         # the course in JupyterLab (what `make lab` runs)
 
 Each command is a module with ``main(argv) -> int``; this file only dispatches.
 """
@@ -14,6 +15,7 @@ import sys
 #: command -> (module that implements it, one-line help)
 COMMANDS = {
     "doctor": ("gradsync_tutorial.doctor", "check that this machine can run the course"),
+    "lab": ("gradsync_tutorial.lab", "open the course in JupyterLab, as root or over SSH too"),
 }
 
 

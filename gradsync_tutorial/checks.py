@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._wording import ranks as _ranks
+from .device import collective_device
 
 __all__ = [
     "assert_replicas_equal",
@@ -113,13 +114,6 @@ def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _comm_device() -> torch.device:
-    """The device collectives need: the rank's GPU for nccl, the CPU for gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _check_same_structure(named: list) -> None:
     """Every rank must hold the same names, shapes and dtypes, or the broadcasts would hang or
     fail deep inside the backend. One collective tells every rank what the others hold."""
@@ -181,7 +175,7 @@ def max_diff_across_ranks(model_or_tensors: Tensors, *, buffers: bool = False) -
     """
     named = _named_tensors(model_or_tensors, buffers)
     _check_same_structure(named)
-    device = _comm_device()
+    device = collective_device()
     diffs = _diffs_from_rank0(named, device)
     worst = diffs.max() if diffs.numel() else torch.zeros((), dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # this rank's worst -> the worst anywhere
@@ -207,7 +201,7 @@ def assert_replicas_equal(
         ...     gst.checks.assert_replicas_equal(model)
         >>> gst.launch(step, world_size=2)
         Traceback (most recent call last):
-        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: replicas
+        gradsync_tutorial.launcher.errors.RankFailedError: rank ... raised AssertionError: replicas
         differ: 'conv1.weight' on rank 1 differs from rank 0's by up to ...
 
     Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
@@ -216,7 +210,7 @@ def assert_replicas_equal(
     _check_same_structure(named)
     if not named:
         return
-    device = _comm_device()
+    device = collective_device()
     diffs = _diffs_from_rank0(named, device)
     gathered = [torch.empty_like(diffs) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, diffs)  # every rank gets every rank's differences

@@ -30,6 +30,7 @@ Introduced in ``notebooks/01_single_device_baseline.ipynb``.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import gzip
 import os
@@ -96,10 +97,13 @@ DOWNLOAD_TIMEOUT = 20.0
 
 
 def _default_root() -> Path:
-    """``$GRADSYNC_DATA``, else ``<repo>/data`` in a checkout, else a per-user cache folder."""
+    """``$GRADSYNC_DATA``, else :func:`_fallback_root`."""
     env = os.environ.get("GRADSYNC_DATA")
-    if env:
-        return Path(env).expanduser()
+    return Path(env).expanduser() if env else _fallback_root()
+
+
+def _fallback_root() -> Path:
+    """``<repo>/data`` in a checkout, else a per-user cache folder."""
     repo = Path(__file__).resolve().parent.parent
     if (repo / "pyproject.toml").is_file():  # running from a checkout of the tutorial
         return repo / "data"
@@ -123,6 +127,49 @@ def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
         return Path(root).expanduser().resolve()
     env = os.environ.get("GRADSYNC_DATA")  # read again: it may have been set after import
     return (Path(env).expanduser() if env else DEFAULT_ROOT).resolve()
+
+
+def _origin(root: str | os.PathLike[str] | None) -> str:
+    """Where the data folder in use was named, for messages: "GRADSYNC_DATA (/x)"..."""
+    if root is not None:
+        return f"the data folder you passed (root= or --root), {root}"
+    env = os.environ.get("GRADSYNC_DATA")
+    return f"GRADSYNC_DATA ({env})" if env else f"the default data folder, {DEFAULT_ROOT}"
+
+
+def _usable_root(root: str | os.PathLike[str] | None) -> Path:
+    """:func:`resolve_root`, after checking that it is (or can become) a folder: not a file,
+    not under a file, not a symbolic link that loops. Raises :class:`DataError` otherwise."""
+    where = _origin(root)
+    if root is not None:
+        fix = "pass a folder (it is created if it does not exist yet)"
+    elif os.environ.get("GRADSYNC_DATA"):
+        fix = ("point GRADSYNC_DATA at a folder (it is created if it does not exist yet), or "
+               f"unset it to use {_fallback_root()}")
+    else:
+        fix = (f"move {DEFAULT_ROOT} out of the way, or point GRADSYNC_DATA at a folder (it is "
+               "created if it does not exist yet)")
+    loop = DataError(f"{where} is a symbolic link that leads back to itself (a loop).",
+                     f"remove or repair the link, or {fix}.")
+    try:
+        path = resolve_root(root)
+    except RuntimeError:  # "Symlink loop from ..." (pathlib before Python 3.13)
+        raise loop from None
+    for folder in (path, *path.parents):  # the nearest one that exists must be a folder
+        try:
+            is_dir = folder.is_dir() if folder.exists() else None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise loop from None
+            raise DataError(f"{where} cannot be read: {e.strerror or e}.", f"{fix}.") from None
+        if is_dir is None:
+            continue
+        if not is_dir:
+            inside = "is a file" if folder == path else f"is inside {folder}, which is a file"
+            raise DataError(f"{where} {inside}, not a folder: the data set is a folder of "
+                            "files.", f"{fix}.")
+        return path
+    return path
 
 
 def _info(dataset: str) -> tuple[str, DatasetInfo]:
@@ -207,7 +254,7 @@ def verify(dataset: str = "fashion-mnist", root: str | os.PathLike[str] | None =
         (10000,)
     """
     key, info = _info(dataset)
-    root = resolve_root(root)
+    root = _usable_root(root)
     raw = _raw_dir(info, root)
     missing = _missing(raw)
     if missing:
@@ -332,7 +379,7 @@ def ensure_files(
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
     """
     key, info = _info(dataset)
-    root = resolve_root(root)
+    root = _usable_root(root)
     raw = _raw_dir(info, root)
     if not _missing(raw):  # 1. already there
         verify(key, root)
@@ -347,12 +394,14 @@ def ensure_files(
             download_error = "finished without writing every file"
     try:
         unpacked = _unpack_system_copy(key, raw)  # 3. Debian's copy
-    except PermissionError as e:
+    except OSError as e:  # no permission, no space left, ...
+        owner = (f", or ask the owner of {root} to run `{_data_command(key, root)}` once"
+                 if isinstance(e, PermissionError) else "")
         raise DataError(
             f"cannot write the unpacked files into {raw}/: {e.strerror or e} "
             f"({e.filename or raw}).",
-            f"point GRADSYNC_DATA at a folder you may write to (or pass root= / --root), or "
-            f"ask the owner of {root} to run `{_data_command(key, root)}` once.",
+            f"point GRADSYNC_DATA at a folder you may write to, with room for 60 MB (or pass "
+            f"root= / --root){owner}.",
         ) from None
     if unpacked is not None and not _missing(raw):
         verify(key, root)
@@ -424,8 +473,8 @@ def load(
     Introduced in ``notebooks/01_single_device_baseline.ipynb``.
     """
     key, _ = _info(dataset)
-    resolved = resolve_root(root)
-    ensure_files(key, resolved, download=download)  # four file checks when the files are there
+    resolved = _usable_root(root)
+    ensure_files(key, root, download=download)  # four file checks when the files are there
     return _read(key, bool(train), str(resolved))
 
 
@@ -458,6 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   for train, split in ((True, "train"), (False, "test"))}
     except (FileNotFoundError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # anything else the system refused: said in a sentence, not a trace
+        print(f"error: {e.strerror or e}: {e.filename or args.root or DEFAULT_ROOT}\n"
+              "fix: check that the data folder can be read and written, or point "
+              "GRADSYNC_DATA (or --root) at another one.", file=sys.stderr)
         return 1
     print(f"{DATASETS[args.dataset].title} is ready in {raw}")  # only once both splits loaded
     for split, (images, labels) in splits.items():

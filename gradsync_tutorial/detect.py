@@ -23,7 +23,9 @@ For the replicas themselves (are the parameters equal on every rank?) use
     >>> sample_overlap([order, order]).shared                  # every rank reads everything
     8
 
-Introduced in ``notebooks/04_pitfalls.ipynb``.
+Introduced in ``notebooks/04_pitfalls.ipynb``. (At about 430 lines the largest lesson module: the
+detectors are one idea, notebook 04's, and :class:`CollectiveCounter` is also what the launcher
+counts a job's collectives with, for its hang report.)
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def assert_disjoint_shards(
         ...     gst.detect.assert_disjoint_shards(shard)
         >>> gst.launch(epoch, world_size=2)
         Traceback (most recent call last):
-        gradsync_tutorial.launch_errors.RankFailedError: rank ... raised AssertionError: the
+        gradsync_tutorial.launcher.errors.RankFailedError: rank ... raised AssertionError: the
         ranks' shards overlap: ...
 
     Introduced in ``notebooks/04_pitfalls.ipynb``.
@@ -243,12 +245,15 @@ def assert_ranks_agree_on(value: Any, what: str = "value") -> list:
 # --------------------------------------------------------------------------------------------
 
 #: The ``torch.distributed`` functions that :func:`count_collectives` counts (those that exist).
+#: torch 2.13 renamed ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` to
+#: ``all_gather_single`` and ``reduce_scatter_single`` (FSDP2 calls the new names; an old name
+#: calls the new one, and counts once, as itself).
 COUNTED_FUNCTIONS = (
     "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather",
-    "all_gather_into_tensor", "all_gather_object", "gather", "gather_object", "scatter",
-    "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "all_gather_into_tensor", "all_gather_single", "all_gather_object", "gather",
+    "gather_object", "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )
 
 #: The key under which DDP's gradient bucket all-reduces are counted.

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 
 import gradsync_tutorial as gst
 
+# GPUs: cuDNN's deterministic kernels, in full float32 (no TF32), so that a run repeats bit for
+# bit and compares with the others (CPUs ignore both; gst.launch's ranks use the same).
+torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
+
 # %% [markdown]
 # ## Data and model
 #
@@ -128,7 +132,8 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 #
 # The same seed gives the same run, step for step. That is what lets the next notebooks compare
 # a distributed run against this one number by number. Train one epoch again: its losses are
-# the baseline's first epoch, bit for bit.
+# the baseline's first epoch, bit for bit. (On a GPU, only with deterministic kernels: the first
+# cell asks cuDNN for them.)
 
 # %%
 # NBVAL_CHECK_OUTPUT

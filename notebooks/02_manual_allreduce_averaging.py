@@ -42,6 +42,9 @@ import torch.nn.functional as F
 import gradsync_tutorial as gst
 
 assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SIZE samples"
+# GPUs: cuDNN's deterministic kernels, in full float32 (no TF32), so that a run repeats bit for
+# bit and compares with the others (CPUs ignore both; gst.launch's ranks use the same).
+torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
 
 
 # %% [markdown]
@@ -74,7 +77,7 @@ def average_gradients(model):
 
 # %%
 def show_all_reduce(rank, world_size):
-    t = torch.tensor([10.0 * (rank + 1), 1.0])
+    t = torch.tensor([10.0 * (rank + 1), 1.0], device=gst.local_device())  # nccl: on the GPU
     before = t.clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place: t is overwritten with the sum
     print(f"before {before.tolist()} -> after {t.tolist()}")
@@ -130,8 +133,9 @@ for rank, p in enumerate(probe):
 # %% [markdown]
 # Checked for every parameter, not only `fc2.bias`: after `backward()` the ranks' gradients
 # differ (each rank saw other samples); after `average_gradients` they are identical on every
-# rank, bit for bit, and equal to the mean of the gradients before; and that mean equals the
-# gradient one process computes on the whole batch of 256, up to float rounding.
+# rank, bit for bit (on GPUs too: NCCL sends every rank the same finished sum), and equal to the
+# mean of the gradients before; and that mean equals the gradient one process computes on the
+# whole batch of 256, up to float rounding.
 
 # %%
 before_gap = gst.checks.compare_ranks([p["before"] for p in probe], show=False)
@@ -210,7 +214,8 @@ assert changes == 5
 # %% [markdown]
 # With `world_size=1` the shard is the whole order, the batch is 256 and `all_reduce` over one
 # rank changes nothing: it is notebook 01's loop. Checked by running both, notebook 01's `train`
-# read from notebook 01:
+# read from notebook 01, to the last bit (on a GPU thanks to the deterministic kernels asked for
+# in the first cell):
 
 # %%
 baseline = train_01(EPOCHS)  # notebook 01's loop, in this process
@@ -252,7 +257,9 @@ fig = gst.plots.plot_loss_curves(
 #
 # * **Dropout.** Every rank seeds the same generator, so rank 1 draws the same masks for its
 #   128 samples as rank 0 for its own, where one process draws 256 different masks: the runs
-#   train different sub-networks. `dropout=False` turns it off.
+#   train different sub-networks. `dropout=False` turns it off. (Kept here for the equalities;
+#   the scripts and snippets you copy seed `SEED + rank` after building the model, so that
+#   each rank draws its own masks.)
 # * **Rounding.** Float addition is not associative, and a batch of 256 is summed in another
 #   order than two of 128 (about 1e-9 per step, as above). Training amplifies such differences
 #   step after step. `dtype=torch.float64` makes them a billion times smaller.
@@ -523,6 +530,7 @@ assert eps_diff <= 1e-6  # and what remains is eps / N
 # """
 #
 # import copy
+# import os
 #
 # import torch
 # import torch.distributed as dist
@@ -539,14 +547,30 @@ assert eps_diff <= 1e-6  # and what remains is eps / N
 #         param.grad /= world_size                            # the mean
 #
 #
+# def init_distributed():
+#     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+#
+#     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     """
+#     local_rank = int(os.environ["LOCAL_RANK"])
+#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#         device = torch.device("cuda", local_rank)
+#         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+#         dist.init_process_group("nccl", device_id=device)  # barrier() too
+#         return device
+#     dist.init_process_group("gloo")
+#     return torch.device("cpu")
+#
+#
 # def main():
-#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     device = init_distributed()
 #     rank, world_size = dist.get_rank(), dist.get_world_size()
 #     torch.manual_seed(0)                       # the same initial weights on every rank
-#     model = nn.Linear(20, 3)
+#     model = nn.Linear(20, 3).to(device)
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-#     x, y = torch.randn(64, 20), torch.randint(0, 3, (64,))  # one global batch...
-#     shard = slice(rank, None, world_size)                   # ...a different shard on each rank
+#     x, y = torch.randn(64, 20).to(device), torch.randint(0, 3, (64,)).to(device)  # one batch...
+#     shard = slice(rank, None, world_size)      # ...a different shard of it on each rank
 #     whole = copy.deepcopy(model)               # for the check below: one process, all 64
 #
 #     loss = F.cross_entropy(model(x[shard]), y[shard])
@@ -558,7 +582,8 @@ assert eps_diff <= 1e-6  # and what remains is eps / N
 #     F.cross_entropy(whole(x), y).backward()
 #     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
 #         torch.testing.assert_close(p.grad, q.grad)
-#     print(f"rank {rank}: averaged gradient == gradient of the whole batch")
+#     print(f"rank {rank}: averaged gradient == gradient of the whole batch, "
+#           f"on {device} ({dist.get_backend()})")
 #     dist.destroy_process_group()
 #
 #

@@ -128,9 +128,11 @@ manual = gst.launch(train_02, world_size=WORLD_SIZE, args=(EPOCHS,))
 # Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging.
 # DDP scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums,
 # then divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is
-# exact in floating point, and a sum of two numbers does not depend on their order. With more
-# ranks, gloo adds the ranks' values in a different order for one large bucket than for 8
-# separate tensors, so the last bits can differ: hence the tolerance.
+# exact in floating point, and a sum of two numbers does not depend on their order. (On GPUs as
+# well: the two runs compute each rank's gradient with the same deterministic kernels, which
+# `gst.launch` asks cuDNN for.) With more ranks, gloo (or nccl) adds the ranks' values in a
+# different order for one large bucket than for 8 separate tensors, so the last bits can
+# differ: hence the tolerance.
 
 # %%
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
@@ -245,6 +247,8 @@ assert before > 0.1 and after == 0.0
 #     torchrun --standalone --nproc-per-node 2 snippets/03_ddp.py
 # """
 #
+# import os
+#
 # import torch
 # import torch.distributed as dist
 # import torch.nn.functional as F
@@ -255,20 +259,37 @@ assert before > 0.1 and after == 0.0
 # SEED = 1234
 #
 #
+# def init_distributed():
+#     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+#
+#     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     """
+#     local_rank = int(os.environ["LOCAL_RANK"])
+#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#         device = torch.device("cuda", local_rank)
+#         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+#         dist.init_process_group("nccl", device_id=device)  # barrier() too
+#         return device
+#     dist.init_process_group("gloo")
+#     return torch.device("cpu")
+#
+#
 # def main():
-#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank, and device_ids=[local_rank]
+#     device = init_distributed()
 #     rank, world_size = dist.get_rank(), dist.get_world_size()
 #     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
 #                             torch.arange(512) % 3)
 #     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
 #
-#     model = DDP(nn.Linear(20, 3))  # after init_process_group: copies rank 0's weights to all
+#     model = DDP(nn.Linear(20, 3).to(device))  # after init: copies rank 0's weights to all
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 #     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
 #     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)
 #     for epoch in range(epochs):
 #         sampler.set_epoch(epoch)               # or every epoch repeats the same order
 #         for x, y in loader:
+#             x, y = x.to(device), y.to(device)
 #             optimizer.zero_grad()
 #             F.cross_entropy(model(x), y).backward()  # gradients are averaged across ranks here
 #             optimizer.step()
@@ -277,11 +298,13 @@ assert before > 0.1 and after == 0.0
 #         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
 #     dist.barrier()                             # no rank reads it, or exits, before it is written
 #
-#     # Check: the file holds every rank's weights (the replicas are equal).
-#     saved = torch.load(path, map_location="cpu", weights_only=True)
+#     # Check: the file holds every rank's weights (the replicas are equal). map_location: each
+#     # rank loads onto its own device, not onto the GPU rank 0 saved from.
+#     saved = torch.load(path, map_location=device, weights_only=True)
 #     for name, p in model.module.state_dict().items():
 #         assert torch.equal(saved[name], p), name
-#     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint")
+#     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint, "
+#           f"on {device} ({dist.get_backend()})")
 #     dist.destroy_process_group()
 #
 #

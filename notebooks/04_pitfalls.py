@@ -1034,6 +1034,7 @@ fig = gst.plots.plot_loss_curves(
 # """
 #
 # import copy
+# import os
 #
 # import torch
 # import torch.distributed as dist
@@ -1063,20 +1064,36 @@ fig = gst.plots.plot_loss_curves(
 #     mine = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
 #     rank_0 = mine.clone()
 #     dist.broadcast(rank_0, src=0)
-#     differ = torch.tensor([float(not torch.equal(mine, rank_0))])
+#     differ = torch.tensor([float(not torch.equal(mine, rank_0))], device=mine.device)
 #     dist.all_reduce(differ)                    # every rank learns it, so every rank raises
 #     assert differ.item() == 0, "the replicas differ"
 #
 #
+# def init_distributed():
+#     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+#
+#     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     """
+#     local_rank = int(os.environ["LOCAL_RANK"])
+#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#         device = torch.device("cuda", local_rank)
+#         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+#         dist.init_process_group("nccl", device_id=device)  # barrier() too
+#         return device
+#     dist.init_process_group("gloo")
+#     return torch.device("cpu")
+#
+#
 # def main():
-#     dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+#     device = init_distributed()                # set_device first: all_gather_object uses it
 #     rank = dist.get_rank()
 #     dataset = TensorDataset(torch.randn(500, 20, generator=torch.Generator().manual_seed(SEED)),
 #                             torch.arange(500) % 3)
 #     per_rank_batch, epochs = 32, 2
 #
 #     torch.manual_seed(SEED)                                # different weights: one seed...
-#     model = nn.Linear(20, 3)
+#     model = nn.Linear(20, 3).to(device)
 #     for p in model.parameters():
 #         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
 #     assert_equal_replicas(model)                           # different weights, BatchNorm
@@ -1089,6 +1106,7 @@ fig = gst.plots.plot_loss_curves(
 #     for epoch in range(epochs):
 #         sampler.set_epoch(epoch)                           # no set_epoch
 #         for step, (x, y) in enumerate(loader):
+#             x, y = x.to(device), y.to(device)
 #             loss_sum = F.cross_entropy(model(x), y, reduction="sum")
 #             totals = torch.stack([loss_sum.detach(), torch.tensor(float(len(y)), device=x.device)])
 #             dist.all_reduce(totals)                        # mean of means, local loss: every rank
@@ -1107,10 +1125,10 @@ fig = gst.plots.plot_loss_curves(
 #     # rank's part by world_size. Checked on unequal local batches: 8 samples on even ranks, 5 on
 #     # odd ones.
 #     n = 8 - 3 * (rank % 2)
-#     x, y = dataset[rank * 8 : rank * 8 + n]
+#     x, y = (t.to(device) for t in dataset[rank * 8 : rank * 8 + n])
 #     ddp = DDP(copy.deepcopy(model))
 #     loss_sum = F.cross_entropy(ddp(x), y, reduction="sum")
-#     count = torch.tensor(float(len(y)))
+#     count = torch.tensor(float(len(y)), device=device)
 #     dist.all_reduce(count)
 #     (loss_sum * dist.get_world_size() / count).backward()  # mean of means, with DDP
 #     loss_sum = F.cross_entropy(model(x), y, reduction="sum")
@@ -1119,7 +1137,9 @@ fig = gst.plots.plot_loss_curves(
 #         dist.all_reduce(p.grad)
 #     for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True):
 #         torch.testing.assert_close(p.grad, q.grad)
-#     print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches")
+#     print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches, "
+#           f"on {device} ({dist.get_backend()})")
+#     del ddp                                    # free DDP before its group: gloo can abort else
 #     dist.destroy_process_group()
 #
 #

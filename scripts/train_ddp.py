@@ -19,9 +19,11 @@ What a rank does, in order:
 * ``main``: ``init_distributed`` (device, backend, process group), ``train``, and on the way
   out, after an error too, free what ``train`` built, then ``destroy_process_group``.
   ``@record`` puts a failing rank's traceback into torchrun's error summary;
-* ``train``: the same seed on every rank, the model wrapped in DDP, ``DistributedSampler`` +
-  ``set_epoch`` for the shards, the loop, the loss averaged over the ranks printed by rank 0, a
-  checkpoint after every epoch, and at the end a check that every rank holds the same parameters.
+* ``train``: one seed for every rank's initial weights, then seed + rank for its own dropout
+  masks; the model wrapped in DDP, ``DistributedSampler`` + ``set_epoch`` for the shards, the
+  loop, the loss averaged over the ranks printed by rank 0, a checkpoint after every epoch (and
+  on ``--resume``, a clear error for a file it cannot continue from), and at the end a check
+  that every rank holds the same parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import pickle
+import re
+import sys
 import time
 from pathlib import Path
 
@@ -59,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="global batch: samples per step, over all ranks (%(default)s)")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (%(default)s)")
     parser.add_argument("--seed", type=int, default=1234,
-                        help="initial weights, data order and dropout (%(default)s)")
+                        help="initial weights and data order; dropout: seed + rank (%(default)s)")
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     parser.add_argument("--data-root", default=None,
                         help="data folder (default: $GRADSYNC_DATA, else the course's data/)")
@@ -81,17 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def init_distributed() -> torch.device:
-    """Join the process group torchrun prepared; return this rank's device.
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 
-    init_process_group() reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the
-    environment that torchrun (or gst.launch) set. With a GPU per local rank: nccl on
-    cuda:LOCAL_RANK; otherwise gloo on the CPU.
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
     """
-    device = local_device()  # cuda:LOCAL_RANK when every local rank has a GPU, else cpu
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before init: nccl and every .cuda() use this GPU
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
 
 
 def train_step(model, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -114,9 +121,9 @@ def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch
 
     Every rank holds the same model and optimizer state, so one copy is enough. The RNG state
     is saved because dropout draws random numbers: a resumed run must draw the ones the straight
-    run would have drawn. It is saved for every rank: here every rank seeds alike, but a script
-    that seeds each rank differently (other dropout masks on each) has other states on each.
-    The data order needs nothing: it is a function of seed and epoch.
+    run would have drawn. It is saved for every rank, since each rank seeds its own (seed +
+    rank: its own dropout masks). The data order needs nothing: it is a function of seed and
+    epoch.
     """
     rng = {"cpu": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
@@ -135,28 +142,81 @@ def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch
     dist.barrier()  # no rank goes on (or exits) before the checkpoint is on disk
 
 
+class BadCheckpoint(Exception):
+    """A --resume file that this script cannot continue from: the message says what to do."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"--resume: cannot continue from {path}: {problem}.\n"
+                         f"Delete it to start from scratch (rm {path}), or give --checkpoint "
+                         "a checkpoint this script saved.")
+
+
+def _first_line(error: BaseException | str) -> str:
+    """What torch said, for the message: its first sentence, on one line."""
+    text = " ".join(str(error).split()).split(". ")[0].rstrip(".")
+    return text if len(text) <= 200 else text[:200] + " ..."
+
+
+def read_checkpoint(path: str) -> dict:
+    """``torch.load`` the file, or raise :class:`BadCheckpoint` saying what is wrong with it."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise BadCheckpoint(path, "the file is empty (0 bytes)")
+    try:
+        # map_location="cpu": rank 0 saved tensors that lived on its GPU, cuda:0; without it
+        # every rank would load them onto cuda:0. load_state_dict copies them to its device.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as e:
+        raise BadCheckpoint(path, f"it cannot be read ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 - whatever torch.load says of a damaged file
+        why = str(e)  # weights_only's refusals: the unpickler's own words, not torch's advice
+        said = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(Check the doc|$)", why, re.S)
+        why = said[1] if isinstance(e, pickle.UnpicklingError) and said else why
+        other = re.match(r"Unsupported global: GLOBAL ([\w.]+)", why)
+        if other:  # a whole file, with Python objects in it
+            raise BadCheckpoint(path, f"another program wrote it: it holds Python objects "
+                                      f"({other[1]}) that this script never saves, nor unpickles"
+                                ) from None
+        raise BadCheckpoint(path, "it is not a whole torch.save file: cut short, overwritten "
+                                  f"or damaged ({type(e).__name__}: {_first_line(why)})") from None
+    keys = {"model", "optimizer", "epochs_done", "rng"}
+    if not isinstance(checkpoint, dict) or not keys <= checkpoint.keys():
+        found = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise BadCheckpoint(path, f"it holds {found}, not this script's {sorted(keys)}")
+    return checkpoint
+
+
 def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
-    """Load the checkpoint on every rank; return the number of epochs it has done."""
-    # map_location="cpu": rank 0 saved tensors that lived on its GPU, cuda:0; without it every
-    # rank would load them onto cuda:0. load_state_dict copies them to this rank's device.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    """Load the checkpoint on every rank; return the number of epochs it has done.
+
+    A file it cannot continue from (empty, cut short, damaged, another program's, another
+    model's) raises :class:`BadCheckpoint`, whose message says what is wrong and what to do.
+    """
+    checkpoint = read_checkpoint(path)
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise BadCheckpoint(path, f"it was saved for another model ({_first_line(e)})") from None
     rngs = checkpoint["rng"]
+    if not (isinstance(rngs, list) and rngs and all(isinstance(r, dict) for r in rngs)):
+        raise BadCheckpoint(path, "its 'rng' is not a list of every rank's generator states")
     if len(rngs) != dist.get_world_size():  # resumed on another number of ranks: not exact
         log(f"{path} was saved by {len(rngs)} ranks, resumed on {dist.get_world_size()}: "
             "random draws (dropout) differ from a run that never stopped")
     rng = rngs[dist.get_rank() % len(rngs)]  # this rank's own generators
-    torch.set_rng_state(rng["cpu"])
-    if device.type == "cuda" and rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"], device)
+    try:
+        torch.set_rng_state(rng["cpu"])
+        if device.type == "cuda" and rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    except (RuntimeError, TypeError, KeyError) as e:
+        raise BadCheckpoint(path, f"its generator states are damaged ({_first_line(e)})") from None
     return checkpoint["epochs_done"]
 
 
 def train(args: argparse.Namespace) -> dict:
     """Train on this rank and return the model's final state dict. Needs the process group."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = local_device()
+    device = local_device()  # what init_distributed chose: the same rule
     batch_size = args.batch_size // world_size  # this rank's share of every step
 
     # One download per machine: local rank 0 fetches the files, the others wait, then all read.
@@ -171,9 +231,12 @@ def train(args: argparse.Namespace) -> dict:
     sampler = DistributedSampler(TensorDataset(images, labels), num_replicas=world_size,
                                  rank=rank, shuffle=True, seed=args.seed)
 
-    torch.backends.cudnn.deterministic = True  # GPUs: the same sums in the same order each run
-    torch.manual_seed(args.seed)  # the same initial weights and dropout draws on every rank
+    # GPUs: the same sums in the same order every run (cuDNN's deterministic kernels), in
+    # float32 (no TF32): slower convolutions, results that compare with the notebooks'.
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
+    torch.manual_seed(args.seed)  # the same initial weights on every rank ...
     model = Net().to(device)
+    torch.manual_seed(args.seed + rank)  # ... then each rank its own dropout masks
     # DDP broadcasts rank 0's weights now, and averages the gradients inside every backward().
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
@@ -213,6 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     init_distributed()
     try:
         train(args)
+    except BadCheckpoint as e:  # every rank read the same file: rank 0 says it, all exit 1
+        if dist.get_rank() == 0:
+            print(e, file=sys.stderr, flush=True)
+        dist.barrier()  # no rank exits (and torchrun stops the others) before rank 0 said it
+        raise SystemExit(1) from None
     finally:
         # What train() built (DDP holds the process group) can outlive it in a reference cycle
         # (importing torchvision inside it makes one). Freed only at interpreter exit, after the

@@ -4,6 +4,7 @@
 """
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,14 +21,30 @@ def average_gradients(model):
         param.grad /= world_size                            # the mean
 
 
+def init_distributed():
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def main():
-    dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+    device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)                       # the same initial weights on every rank
-    model = nn.Linear(20, 3)
+    model = nn.Linear(20, 3).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(64, 20), torch.randint(0, 3, (64,))  # one global batch...
-    shard = slice(rank, None, world_size)                   # ...a different shard on each rank
+    x, y = torch.randn(64, 20).to(device), torch.randint(0, 3, (64,)).to(device)  # one batch...
+    shard = slice(rank, None, world_size)      # ...a different shard of it on each rank
     whole = copy.deepcopy(model)               # for the check below: one process, all 64
 
     loss = F.cross_entropy(model(x[shard]), y[shard])
@@ -39,7 +56,8 @@ def main():
     F.cross_entropy(whole(x), y).backward()
     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-    print(f"rank {rank}: averaged gradient == gradient of the whole batch")
+    print(f"rank {rank}: averaged gradient == gradient of the whole batch, "
+          f"on {device} ({dist.get_backend()})")
     dist.destroy_process_group()
 
 

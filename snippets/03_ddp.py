@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 snippets/03_ddp.py
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,20 +15,37 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 SEED = 1234
 
 
+def init_distributed():
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def main():
-    dist.init_process_group("gloo")  # "nccl" with one GPU per rank, and device_ids=[local_rank]
+    device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
                             torch.arange(512) % 3)
     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
 
-    model = DDP(nn.Linear(20, 3))  # after init_process_group: copies rank 0's weights to all
+    model = DDP(nn.Linear(20, 3).to(device))  # after init: copies rank 0's weights to all
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)               # or every epoch repeats the same order
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()  # gradients are averaged across ranks here
             optimizer.step()
@@ -35,11 +54,13 @@ def main():
         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
     dist.barrier()                             # no rank reads it, or exits, before it is written
 
-    # Check: the file holds every rank's weights (the replicas are equal).
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    # Check: the file holds every rank's weights (the replicas are equal). map_location: each
+    # rank loads onto its own device, not onto the GPU rank 0 saved from.
+    saved = torch.load(path, map_location=device, weights_only=True)
     for name, p in model.module.state_dict().items():
         assert torch.equal(saved[name], p), name
-    print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint")
+    print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint, "
+          f"on {device} ({dist.get_backend()})")
     dist.destroy_process_group()
 
 

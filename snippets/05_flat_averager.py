@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 snippets/05_flat_averager.py
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -12,26 +14,51 @@ from torch import nn
 class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
     def __init__(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
+        first = self.params[0]                 # the buffer: the gradients' dtype and device
+        if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
+            raise TypeError("one buffer holds one dtype on one device: one averager per group")
         self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
-                                  device=self.params[0].device)
+                                  dtype=first.dtype, device=first.device)
         pieces = self.buffer.split([p.numel() for p in self.params])
         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params, strict=True)]
 
     def __call__(self):
         for p, slot in zip(self.params, self.slots, strict=True):
-            slot.copy_(p.grad)                                    # flatten
+            if p.grad is None:                                    # unused on this rank: it
+                slot.zero_()                                      # adds zeros (notebook 04)
+            else:
+                slot.copy_(p.grad)                                # flatten
         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
         for p, slot in zip(self.params, self.slots, strict=True):
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
             torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
 
 
+def init_distributed():
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
 def main():
-    dist.init_process_group("gloo")  # "nccl" with one GPU per rank
+    device = init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)                       # the same initial weights on every rank
-    model = nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 3))
+    model = nn.Sequential(nn.Linear(20, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
     average = FlatAverager(model)
     x, y = torch.randn(8, 20) * (rank + 1), torch.randint(0, 3, (8,))  # this rank's batch
+    x, y = x.to(device), y.to(device)
 
     F.cross_entropy(model(x), y).backward()
     grads = [p.grad.clone() for p in model.parameters()]  # for the check below
@@ -41,7 +68,8 @@ def main():
     for p, g in zip(model.parameters(), grads, strict=True):
         dist.all_reduce(g)
         torch.testing.assert_close(p.grad, g / dist.get_world_size())
-    print(f"rank {rank}: one all_reduce, the same mean gradient as one per parameter")
+    print(f"rank {rank}: one all_reduce, the same mean gradient as one per parameter, "
+          f"on {device} ({dist.get_backend()})")
     dist.destroy_process_group()
 
 

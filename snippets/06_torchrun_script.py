@@ -21,29 +21,61 @@ SEED = 1234
 
 
 def init_distributed():
-    """Join the group torchrun prepared (it set RANK, WORLD_SIZE, MASTER_ADDR...)."""
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    """
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.device_count() > local_rank:
-        torch.cuda.set_device(local_rank)      # before init: nccl uses this GPU
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local_rank)
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def save_checkpoint(path, model, optimizer, epochs_done, device):
+    """Every rank calls it; rank 0 writes model, optimizer, epochs done, every rank's RNG."""
+    rng = {"cpu": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, rng)          # each rank's generators: its own dropout masks
+    if dist.get_rank() == 0:                   # rank 0 saves, once
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epochs_done": epochs_done, "rng": rngs}, path + ".tmp")
+        os.replace(path + ".tmp", path)        # atomic: a crash while saving keeps the old file
+    dist.barrier()                             # then no rank goes on before the file is whole
+
+
+def load_checkpoint(path, model, optimizer, device):
+    """Every rank loads the file rank 0 wrote; returns the number of epochs done."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # not onto rank 0's GPU
+    model.module.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    rngs = checkpoint["rng"]                   # (on another number of ranks: other draws)
+    rng = rngs[dist.get_rank() % len(rngs)]    # this rank's own generators
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda" and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    return checkpoint["epochs_done"]
 
 
 def train(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dataset = TensorDataset(torch.randn(512, 20, generator=torch.Generator().manual_seed(SEED)),
                             torch.arange(512) % 3)
-    torch.manual_seed(SEED)
-    model = DDP(nn.Linear(20, 3).to(device))
+    torch.manual_seed(SEED)                    # the same initial weights on every rank...
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3))
+    model = DDP(model.to(device))
+    torch.manual_seed(SEED + rank)             # ...then each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     done = 0
-    if args.resume:                            # every rank loads the file rank 0 wrote
-        checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        model.module.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        done = checkpoint["epochs_done"]
+    if args.resume and os.path.exists(args.checkpoint):  # a first start has no file yet
+        done = load_checkpoint(args.checkpoint, model, optimizer, device)
+    if rank == 0 and args.resume:
+        print(f"resumed after epoch {done}" if done else "no checkpoint yet: from scratch")
     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
     loader = DataLoader(dataset, batch_size=64 // world_size, sampler=sampler)
     for epoch in range(done, args.epochs):
@@ -60,11 +92,7 @@ def train(args, device):
         if rank == 0:                          # log from rank 0 only
             print(f"epoch {epoch + 1}: loss {total[0] / total[1]:.4f}")
         if args.checkpoint:
-            if rank == 0:                      # rank 0 saves, once
-                torch.save({"model": model.module.state_dict(),
-                            "optimizer": optimizer.state_dict(), "epochs_done": epoch + 1},
-                           args.checkpoint)
-            dist.barrier()                     # then no rank goes on before the file is whole
+            save_checkpoint(args.checkpoint, model, optimizer, epoch + 1, device)
 
 
 @record                                        # the failing rank's traceback in torchrun's summary
@@ -74,6 +102,8 @@ def main():
     parser.add_argument("--checkpoint", default="")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    if args.resume and not args.checkpoint:
+        parser.error("--resume continues from --checkpoint: give --checkpoint PATH too")
     device = init_distributed()
     try:
         train(args, device)

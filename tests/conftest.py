@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
+def tool(name: str):
+    """``tools/NAME.py``, a maintainer's script (not a package), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def worker_pids() -> list[int]:
-    """PIDs of live ``gradsync_tutorial._worker`` processes started by this process.
+    """PIDs of live worker processes (``python -m WORKER_MODULE``) started by this process.
 
     Read from /proc on Linux; elsewhere (macOS, Windows: the public CI) through psutil.
     """
@@ -20,7 +37,7 @@ def worker_pids() -> list[int]:
 
         return [p.pid for p in psutil.Process().children()
                 if p.status() != psutil.STATUS_ZOMBIE
-                and "gradsync_tutorial._worker" in " ".join(p.cmdline())]
+                and WORKER_MODULE in " ".join(p.cmdline())]
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -32,7 +49,7 @@ def worker_pids() -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         state = stat.rsplit(")", 1)[1].split()[0]
-        if b"gradsync_tutorial._worker" in cmdline and ppid == os.getpid() and state != "Z":
+        if WORKER_MODULE.encode() in cmdline and ppid == os.getpid() and state != "Z":
             pids.append(int(proc.name))
     return pids
 
@@ -52,11 +69,39 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def start_kernel_like(code: str, count: int = 2, seconds: float = 60.0):
+    """Start ``code`` as a kernel would run it (a process in a session of its own), which
+    prints ``pid N [N ...]`` lines from its ranks; return it once ``count`` pids are read."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids: list[int] = []
+    deadline = time.monotonic() + seconds
+    while len(pids) < count and time.monotonic() < deadline:
+        words = proc.stdout.readline().split()
+        if "pid" in words:
+            pids += [int(w) for w in words[words.index("pid") + 1:]]
+    assert len(pids) == count, f"expected {count} pids, read {pids}"
+    return proc, pids
+
+
+def wait_dead(pids, seconds: float = 15.0) -> list[int]:
+    """Wait until every pid has ended; return those still alive (a generous bound, not a
+    timing: it only tells "ended" from "still running a 60-second sleep")."""
+    deadline = time.monotonic() + seconds
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
 @pytest.fixture
 def no_workers_left():
-    """After the test: no worker of this process is alive, idle pool included."""
+    """After the test: no worker of this process is alive, idle pool included.
+
+    Idle workers that an earlier test file kept are stopped first: they are not this test's.
+    """
     import gradsync_tutorial as gst
 
+    gst.shutdown_workers()
     yield
     gst.shutdown_workers()
     assert worker_pids() == []

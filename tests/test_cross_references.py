@@ -21,9 +21,11 @@ from .conftest import REPO
 NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 NUMBERS = {name[:2] for name in NOTEBOOKS}
 README = (REPO / "README.md").read_text()
-#: Where the course refers to its notebooks: the README, the package, the scripts, benchmarks.
+#: Where the course refers to its notebooks: the README, the package, the scripts, the tools,
+#: the benchmarks.
 REFERRING = [REPO / "README.md", *sorted((REPO / "gradsync_tutorial").rglob("*.py")),
-             *sorted((REPO / "scripts").glob("*.py")), *sorted((REPO / "benchmarks").glob("*.py"))]
+             *(path for folder in ("scripts", "tools", "benchmarks")
+               for path in sorted((REPO / folder).glob("*.py")))]
 
 # notebooks/02_manual_allreduce_averaging.ipynb (a path, in prose, a link or a docstring)
 NOTEBOOK_PATH = re.compile(r"notebooks/(\d\d_[A-Za-z0-9_]+)\.ipynb")
@@ -69,18 +71,19 @@ def test_every_notebook_number_named_exists(path):
 #: Public modules that name no notebook, and why.
 NOT_TAUGHT = {
     "doctor.py": "run once before the course (make doctor), and says so",
-    "launch_errors.py": "part of launch, whose module (launcher.py) names notebook 00",
 }
 
 
 def test_every_public_module_says_where_it_is_introduced():
-    """d2l's rule: each helper points back to the notebook that teaches it."""
-    for path in sorted((REPO / "gradsync_tutorial").glob("[a-z]*.py")):
+    """d2l's rule: each helper points back to the notebook that teaches it (a folder: its
+    __init__.py)."""
+    package = REPO / "gradsync_tutorial"
+    for path in sorted([*package.glob("[a-z]*.py"), *package.glob("[a-z]*/__init__.py")]):
         if path.name in NOT_TAUGHT:
             continue
         text = _text(path)
         assert NOTEBOOK_PATH.search(text) or NOTEBOOK_NUMBERS.search(text), (
-            f"{path.name} names no notebook: say which one introduces it")
+            f"{path.relative_to(package)} names no notebook: say which one introduces it")
 
 
 def test_the_doctors_reference_times_cover_exactly_the_notebooks():
@@ -101,6 +104,27 @@ def test_the_readme_notebook_table_lists_every_notebook_once_with_the_doctors_ti
 def test_every_exercise_names_an_existing_notebook():
     for exercise in EXERCISES.values():
         assert exercise.notebook in NOTEBOOKS, exercise
+
+
+# gst.exercises.check_gather_ranks(gather_ranks): a notebook's exercise cell
+EXERCISE_CALL = re.compile(r"^gst\.exercises\.(check_\w+)\(", re.M)
+
+
+def test_the_exercises_are_found_in_the_notebooks_and_each_calls_its_own_check():
+    """Found, not listed: each notebook's "## Exercise" calls a check registered for that
+    notebook, and every registered exercise is called by its notebook."""
+    called = {}
+    for name in NOTEBOOKS:
+        source = _text(REPO / "notebooks" / name.replace(".ipynb", ".py"))
+        checks = EXERCISE_CALL.findall(source)
+        if re.search(r"^# ## Exercise", source, re.M):
+            assert checks, f"{name} has an Exercise section that calls no gst.exercises.check_"
+        for check in checks:
+            called.setdefault(check, name)
+    registered = {e.check.__name__: e.notebook for e in EXERCISES.values()}
+    assert called == registered, (
+        "each check is called first in the notebook it is registered for (@exercise(notebook, "
+        f"...)): called {called}, registered {registered}")
 
 
 def test_every_readme_link_to_a_file_or_section_resolves():

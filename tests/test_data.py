@@ -5,7 +5,10 @@ is never touched: every call passes download=False, or replaces the download ste
 """
 
 import gzip
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +205,87 @@ def test_an_unwritable_root_is_named_with_its_fix(tmp_path, fake, monkeypatch):
                                   f"denied ({raw}).")
     assert "GRADSYNC_DATA" in info.value.fix and "--root" in info.value.fix
     assert data.main(["--root", str(root), "--no-download"]) == 1  # the CLI: a message
+
+
+def _not_a_folder(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A data folder that cannot be one (see ROOTS): the path, and what the message says."""
+    afile = tmp_path / "data.tar"
+    afile.write_bytes(b"not a folder")
+    if kind == "a file":
+        return afile, "is a file, not a folder"
+    if kind == "under a file":
+        return afile / "data", f"is inside {afile}, which is a file, not a folder"
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    return tmp_path / "loop-a", "is a symbolic link that leads back to itself (a loop)"
+
+
+#: Data folders that cannot be one: a raw NotADirectoryError or "RuntimeError: Symlink loop"
+#: came out of them, from the Debian copy's unpacking and from pathlib.
+ROOTS = ["a file", "under a file", "a symbolic link loop"]
+
+
+@pytest.mark.parametrize("kind", ROOTS)
+@pytest.mark.parametrize("debian_copy", [False, True], ids=["no copy", "a Debian copy"])
+def test_gradsync_data_that_cannot_be_a_folder_gets_a_sentence(tmp_path, fake, monkeypatch,
+                                                               kind, debian_copy):
+    if debian_copy:  # unpacking it is what met the file (mkdir: NotADirectoryError)
+        write_gzipped(tmp_path / "debian", fake[1])
+        monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (tmp_path / "debian",))
+    root, says = _not_a_folder(tmp_path, kind)
+    monkeypatch.setenv("GRADSYNC_DATA", str(root))
+    for call in (lambda: data.ensure_files(download=False), lambda: data.verify(),
+                 lambda: data.load(download=False)):
+        with pytest.raises(data.DataError) as info:
+            call()
+        assert info.value.problem == f"GRADSYNC_DATA ({root}) {says}" + (
+            "." if "loop" in kind else ": the data set is a folder of files.")
+        assert "point GRADSYNC_DATA at a folder" in info.value.fix
+        assert f"unset it to use {data._fallback_root()}" in info.value.fix
+
+
+@pytest.mark.parametrize("kind", ROOTS)
+def test_a_root_that_cannot_be_a_folder_gets_a_sentence_from_the_cli(tmp_path, capsys, kind):
+    root, says = _not_a_folder(tmp_path, kind)
+    assert data.main(["--root", str(root), "--no-download"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: the data folder you passed (root= or --root), {root} {says}")
+    assert "\nfix: " in err and "pass a folder" in err
+    assert "Traceback" not in err and "ready" not in out
+
+
+def test_python_m_data_prints_no_traceback(tmp_path):
+    """The command itself, as a learner runs it: one sentence and its fix, exit status 1."""
+    root, _ = _not_a_folder(tmp_path, "under a file")
+    env = {**os.environ, "GRADSYNC_DATA": str(root)}
+    done = subprocess.run([sys.executable, "-m", "gradsync_tutorial.data", "--no-download"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: GRADSYNC_DATA ({root}) is inside ")
+    assert "Traceback" not in done.stderr and "\nfix: " in done.stderr
+
+
+def test_another_refusal_of_the_system_gets_a_sentence_too(tmp_path, fake, monkeypatch, capsys):
+    debian = tmp_path / "debian"
+    write_gzipped(debian, fake[1])
+    monkeypatch.setitem(data.DEBIAN_DIRS, "fashion-mnist", (debian,))
+
+    def full(dir, **kwargs):  # what mkstemp meets on a full disk
+        raise OSError(28, "No space left on device", str(dir))
+
+    monkeypatch.setattr(data.tempfile, "mkstemp", full)
+    with pytest.raises(data.DataError, match="No space left on device") as info:
+        data.ensure_files(root=tmp_path / "root", download=False)
+    assert "room for 60 MB" in info.value.fix and "owner" not in info.value.fix
+
+    def unreadable(*args, **kwargs):  # anything else the system refuses, in the CLI
+        raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
+
+    monkeypatch.setattr(data, "ensure_files", unreadable)
+    assert data.main(["--root", str(tmp_path), "--no-download"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Permission denied: {tmp_path / 'x'}\nfix: ")
+    assert "Traceback" not in err
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ import torch
 from gradsync_tutorial import __main__ as cli
 from gradsync_tutorial import data, doctor, launcher
 from gradsync_tutorial.doctor import Check
+from gradsync_tutorial.launcher.errors import rank_failed_error, timeout_error
 
 from .conftest import REPO
-from .test_data import DAMAGES, _damage, fake_files, write_unpacked
+from .test_data import DAMAGES, _damage, _not_a_folder, fake_files, write_unpacked
 
 
 def test_the_command_passes_on_this_machine():
@@ -97,6 +98,30 @@ def test_missing_data_fails_with_make_data(monkeypatch, tmp_path):
     assert "`make data`" in check.fix and "GRADSYNC_DATA" in check.fix
 
 
+@pytest.mark.parametrize("kind", ["a file", "under a file", "a symbolic link loop"])
+def test_gradsync_data_that_cannot_be_a_folder_fails_with_its_fix(monkeypatch, tmp_path, kind):
+    """It was "the check itself failed: NotADirectoryError ... report this to your instructor"."""
+    root, says = _not_a_folder(tmp_path, kind)
+    monkeypatch.setenv("GRADSYNC_DATA", str(root))
+    check = doctor._run("data", doctor.check_data)
+    assert check.failed
+    assert check.detail.startswith(f"GRADSYNC_DATA ({root}) {says}")
+    assert check.fix.startswith(("point GRADSYNC_DATA at a folder", "remove or repair the link"))
+    assert "report this" not in check.fix and "the check itself failed" not in check.detail
+
+
+def test_an_unreadable_data_folder_fails_with_its_fix(monkeypatch):
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/srv/course-data")
+
+    monkeypatch.setattr(data, "ensure_files", refused)
+    check = doctor._run("data", doctor.check_data)
+    assert check.failed
+    assert check.detail == ("the data folder cannot be read: Permission denied "
+                            "(/srv/course-data)")
+    assert "GRADSYNC_DATA" in check.fix and "report this" not in check.fix
+
+
 def test_truncated_data_fails_with_delete_and_fetch_again(monkeypatch, tmp_path):
     monkeypatch.setenv("GRADSYNC_DATA", str(tmp_path))
     raw = tmp_path / "FashionMNIST" / "raw"
@@ -152,27 +177,30 @@ def test_a_blocked_port_fails_with_a_firewall_hint(monkeypatch):
 ])
 def test_a_launch_that_hangs_explains_the_firewall_of_each_system(monkeypatch, platform, hint):
     def hangs(*args, **kwargs):
-        raise launcher.LaunchTimeoutError("timed out", [0, 1])
+        raise timeout_error(2, finished=[], timeout=7, startup=60, started=True,
+                            report="rank 0 is waiting in dist.all_reduce")
 
     monkeypatch.setattr(launcher, "launch", hangs)
     monkeypatch.setattr(doctor, "_platform", lambda: platform)
     check = doctor.check_launch(timeout=7)
     assert check.failed
-    assert check.detail == "2 ranks did not finish within 7 s (ranks still running: [0, 1])"
+    # The launcher's own words (its first line), not a wording of the doctor's.
+    assert check.detail == ("a 2-rank launch failed: launch timed out after 7 s: ranks 0, 1 had "
+                            "not finished. All ranks were stopped.")
     assert hint in check.fix
 
 
 def test_a_launch_that_fails_shows_the_error(monkeypatch):
     def fails(*args, **kwargs):
         failure = launcher.Failure(1, "raised", exc_type="RuntimeError",
-                                   message="Connection refused\nmore")
-        raise launcher.RankFailedError("a long message\nmore", {1: failure}, 1)
+                                   message="Connection refused\nmore", traceback="Traceback")
+        raise rank_failed_error([failure], started=True)
 
     monkeypatch.setattr(launcher, "launch", fails)
     check = doctor.check_launch()
     assert check.failed
     assert check.detail == ("a 2-rank launch failed: rank 1 raised RuntimeError: Connection "
-                            "refused")  # the record's first line, not the message's
+                            "refused")  # the launcher's first line
 
 
 def test_epoch_timing_and_the_notebook_estimates(monkeypatch):

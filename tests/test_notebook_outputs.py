@@ -21,7 +21,7 @@ import re
 import nbformat
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, tool
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -150,12 +150,7 @@ def test_running_a_notebook_writes_no_figure(path):
 
 def test_readme_figures_are_the_notebooks_own():
     """images/NAME.png is the committed output of the cell tagged image:NAME.png (make images)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("notebooks_script",
-                                                  REPO / "scripts" / "notebooks.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tool("build_notebooks")
     found = {}
     for path in NOTEBOOKS:
         found.update(script.figures(path))

@@ -6,25 +6,14 @@ rebuilding: ``make notebooks NB=NN`` (see the README's "Changing a notebook").
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 
 import nbformat
 import pytest
 
-from .conftest import REPO
+from .conftest import REPO, tool
 
-
-def _load_script():
-    path = REPO / "scripts" / "notebooks.py"
-    spec = importlib.util.spec_from_file_location("notebooks_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-notebooks = _load_script()
+notebooks = tool("build_notebooks")
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
@@ -69,38 +58,3 @@ def test_a_forgotten_sync_is_named():
     assert notebooks.first_difference(nb, source) == (
         f"the notebook has {len(source.cells) + 1} cells, the source has {len(source.cells)}"
     )
-
-
-def test_build_keeps_cell_ids_and_strips_timestamps(tmp_path):
-    """Rebuilding from an edited source: unchanged cells keep their ids, the edited one too."""
-    (tmp_path / "notebooks").mkdir()
-    path = NOTEBOOKS[0]
-    target = tmp_path / "notebooks" / path.name
-    nb = nbformat.read(path, as_version=4)
-    nb.cells[0].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
-    nbformat.write(nb, target)
-    source = target.with_suffix(".py")
-    text = path.with_suffix(".py").read_text()
-    edited = text.replace("# %% [markdown]\n", "# %% [markdown]\n# A new first line.\n#\n", 1)
-    source.write_text(edited)
-    built = notebooks.assemble(source)
-    assert [c.id for c in built.cells] == [c.id for c in nb.cells]
-    assert built.cells[0].source.startswith("A new first line.")
-    assert "execution" not in built.cells[0].metadata
-    assert notebooks.first_difference(built, notebooks.read_source(source)) is None
-
-
-def test_no_execute_refuses_a_code_change(tmp_path):
-    """--no-execute keeps outputs, so it builds only when no code changed (NBVAL comments aside)."""
-    (tmp_path / "notebooks").mkdir()
-    path = NOTEBOOKS[0]
-    shutil.copy(path, tmp_path / "notebooks" / path.name)
-    source = tmp_path / "notebooks" / path.with_suffix(".py").name
-    text = path.with_suffix(".py").read_text()
-    source.write_text(text.replace("\n# %%\n", "\n# %%\n# NBVAL_CHECK_OUTPUT\n", 1))
-    notebooks.build(source, run=False)
-    nb = nbformat.read(source.with_suffix(".ipynb"), as_version=4)
-    assert "# NBVAL_CHECK_OUTPUT" in next(c.source for c in nb.cells if c.cell_type == "code")
-    source.write_text(text.replace("\n# %%\n", "\n# %%\nx = 1\n", 1))
-    with pytest.raises(SystemExit, match="its code changed"):
-        notebooks.build(source, run=False)

@@ -74,3 +74,14 @@ def test_wheel_ships_every_module_of_the_package(tmp_path):
     source = {p.relative_to(REPO).as_posix()
               for p in (REPO / "gradsync_tutorial").rglob("*.py")}
     assert source and source <= shipped, f"missing from the wheel: {sorted(source - shipped)}"
+
+
+def test_every_module_of_the_package_is_an_attribute_found_not_listed():
+    """A lesson module added to gradsync_tutorial/ is gst.<name> with no other edit."""
+    import gradsync_tutorial as gst
+
+    modules = {p.stem for p in (REPO / "gradsync_tutorial").glob("[a-z]*.py")}
+    folders = {p.parent.name for p in (REPO / "gradsync_tutorial").glob("[a-z]*/__init__.py")}
+    assert modules | folders <= set(dir(gst))
+    assert all(getattr(gst, name).__name__ == f"gradsync_tutorial.{name}"
+               for name in sorted(modules | folders))

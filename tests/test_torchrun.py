@@ -28,7 +28,7 @@ import gradsync_tutorial as gst
 from .conftest import REPO
 
 SCRIPTS = REPO / "scripts"
-FAIL_RANK = REPO / "tests" / "fail_rank.py"  # runs a script with one rank failing on purpose
+FAIL_RANK = REPO / "scripts" / "fail_rank.py"  # runs a script with one rank failing on purpose
 EQUAL = re.compile(r"^parameters equal across (\d+) ranks: max \|p - p on rank 0\| = (\S+)$", re.M)
 TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one is killed
 
@@ -99,6 +99,9 @@ def test_script_trains_and_ranks_agree_and_checkpoint_is_written(straight, scrip
     assert checkpoint["epochs_done"] == 2
     assert set(checkpoint["model"]) == set(gst.model.Net().state_dict())  # no "module." prefix
     assert not Path(f"{path}.tmp").exists()
+    # seed + rank after building the model: each rank drew its own dropout masks
+    rank_0, rank_1 = (rng["cpu"] for rng in checkpoint["rng"])
+    assert not torch.equal(rank_0, rank_1), "every rank has the same generator: the same masks"
 
 
 def test_manual_averaging_and_ddp_train_the_same_model(straight):
@@ -213,14 +216,14 @@ def test_resume_is_exact_when_every_rank_seeds_its_own_dropout(tmp_path, script)
 
 
 def test_failing_rank_exits_nonzero_and_is_the_root_cause_with_its_traceback():
-    # The fault is injected from outside (tests/fail_rank.py): the scripts have no test hook.
+    # The fault is injected from outside (scripts/fail_rank.py): the scripts have no test hook.
     run = torchrun("--standalone", "--nproc-per-node", 2, FAIL_RANK, 1, SCRIPTS / "train_ddp.py",
                    "--smoke", "--epochs", 1)
     assert run.returncode != 0
     # torchrun's summary ends stderr; @record puts rank 1's traceback under "Root Cause"
     root_cause = run.stderr[run.stderr.rindex("Root Cause (first observed failure)"):]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), root_cause
-    assert "RuntimeError: rank 1 fails on purpose (tests/fail_rank.py 1)" in root_cause
+    assert "RuntimeError: rank 1 fails on purpose (scripts/fail_rank.py 1)" in root_cause
     assert "train_ddp.py" in root_cause  # the traceback, not "To enable traceback see: ..."
     assert not EQUAL.search(run.stdout)
 
@@ -273,8 +276,8 @@ def test_batch_size_must_split_evenly_over_the_ranks(train_ddp, monkeypatch, cap
 #: plumbing (arguments, checkpoints, logging) to drift apart.
 MAX_SCRIPT_DIFF_LINES = 40
 #: Functions that have nothing to do with who averages the gradients: the same in both scripts.
-SHARED_FUNCTIONS = ("parse_args", "init_distributed", "log", "save_checkpoint",
-                    "load_checkpoint", "main")
+SHARED_FUNCTIONS = ("parse_args", "init_distributed", "log", "save_checkpoint", "_first_line",
+                    "read_checkpoint", "load_checkpoint", "main")
 
 
 def _functions(path: Path) -> dict[str, str]:
@@ -356,3 +359,91 @@ def test_main_frees_what_train_built_before_destroying_the_process_group():
     results = gst.launch(_main_with_a_ddp_model_in_a_cycle, world_size=2,
                          args=(str(SCRIPTS / "train_ddp.py"),))
     assert results == [[False], [False]]
+
+
+# -- --resume from a file the script cannot continue from (issue 26) --------------------------
+
+
+def _bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, str]]:
+    """name -> (a file --resume cannot continue from, what the message must say about it)."""
+    import argparse
+
+    data = good.read_bytes()
+    files = {
+        "empty": (b"", "the file is empty (0 bytes)"),
+        "truncated": (data[: len(data) // 2], "it is not a whole torch.save file: cut short"),
+        "corrupt": (bytes(range(256)) * 40, "it is not a whole torch.save file"),
+    }
+    made = {name: (folder / f"{name}.pt", say) for name, (_, say) in files.items()}
+    for name, (content, _) in files.items():
+        made[name][0].write_bytes(content)
+    foreign = {  # whole files that another program, or another model, saved
+        "another program's": ({"model": {}, "args": argparse.Namespace(lr=0.1)},
+                              "another program wrote it: it holds Python objects "
+                              "(argparse.Namespace)"),
+        "another layout": ({"state_dict": torch.nn.Linear(20, 3).state_dict(), "epoch": 2},
+                           "it holds ['epoch', 'state_dict'], not this script's ['epochs_done', "
+                           "'model', 'optimizer', 'rng']"),
+        "another model": ({**load(good), "model": torch.nn.Linear(20, 3).state_dict()},
+                          "it was saved for another model (Error(s) in loading state_dict for "
+                          "Net: Missing key(s)"),
+    }
+    for name, (content, say) in foreign.items():
+        made[name] = folder / f"{name.replace(' ', '_')}.pt", say
+        torch.save(content, made[name][0])
+    return made
+
+
+def _load_on_a_rank(rank, world_size, script, path):
+    """What the script's load_checkpoint says of ``path``: its BadCheckpoint message, or None."""
+    spec = importlib.util.spec_from_file_location("script_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = gst.model.Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+    try:
+        module.load_checkpoint(path, model, optimizer, torch.device("cpu"))
+    except module.BadCheckpoint as e:
+        return str(e)
+    return None
+
+
+BAD_CHECKPOINTS = ["empty", "truncated", "corrupt", "another program's", "another layout",
+                   "another model"]
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS)
+@pytest.mark.parametrize("script", ["train_manual.py", "train_ddp.py"])
+def test_resume_says_what_is_wrong_with_a_bad_checkpoint(straight, tmp_path, script, case):
+    """One sentence: which file, what is wrong with it, what to do (on main: torch's raw
+    EOFError, KeyError, RuntimeError, or its weights_only advice)."""
+    path, say = _bad_checkpoints(tmp_path, straight("train_ddp.py")[1])[case]
+    message = gst.launch(_load_on_a_rank, 1, args=(SCRIPTS / script, str(path)))[0]
+    assert message is not None, f"{case}: loaded without an error"
+    assert message.startswith(f"--resume: cannot continue from {path}: {say}"), message
+    assert message.endswith(f"Delete it to start from scratch (rm {path}), or give "
+                            "--checkpoint a checkpoint this script saved."), message
+    assert "weights_only" not in message and "github" not in message.lower(), message
+
+
+def test_resume_on_another_number_of_ranks_goes_on_and_says_so(straight, tmp_path, capfd):
+    """Not an error: the model and optimizer fit; only the random draws differ."""
+    path = tmp_path / "two_ranks.pt"
+    path.write_bytes(straight("train_ddp.py")[1].read_bytes())  # saved by 2 ranks
+    assert gst.launch(_load_on_a_rank, 1, args=(SCRIPTS / "train_ddp.py", str(path))) == [None]
+    assert f"{path} was saved by 2 ranks, resumed on 1: random draws" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize(("script", "case"), [("train_ddp.py", "corrupt"),
+                                              ("train_manual.py", "truncated")])
+def test_a_bad_checkpoint_is_reported_once_by_rank_0_without_a_traceback(straight, tmp_path,
+                                                                           script, case):
+    path, say = _bad_checkpoints(tmp_path, straight("train_ddp.py")[1])[case]
+    run = standalone(script, "--epochs", 2, "--checkpoint", path, "--resume")
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert output.count(f"--resume: cannot continue from {path}: {say}") == 1, output
+    assert output.count(f"rm {path}") == 1, output
+    # no rank's traceback (torchrun's own summary of the agent stays), none of torch's advice
+    assert f"{script}\", line" not in output and "weights_only" not in output, output
+    assert not EQUAL.search(run.stdout)

@@ -1,9 +1,9 @@
 """Exercises with self-checks: run your function against the reference, learn what is wrong.
 
 Each notebook ends with an exercise: you write one function in a cell, then pass it to its
-check. The check runs it the way the course runs code, on 3 ranks with ``gst.launch`` (gloo, on
-the CPU, whatever the machine), on a small model and small random data, next to the reference
-computation, so it takes a second or two:
+check. The check runs it the way the course runs code, with ``gst.launch`` (gloo, on the CPU,
+whatever the machine) on 2 ranks and then on 3, on a small model and small random data, next to
+the reference computation, so it takes a few seconds:
 
     >>> import gradsync_tutorial as gst
     >>> def average_gradients_flat(model):
@@ -22,14 +22,19 @@ shows the status line only):
   does): it prints ``... not attempted yet``, without failing. So a
   notebook runs top to bottom before you start the exercise (CI runs them that way).
 
-Why 3 ranks, and fresh random data each time: a check must not pass an answer that guesses
-instead of computing. With 2 ranks, a hard-coded ``/ 2`` looks like ``/ world_size``; with the
-same seeded data every time, a rank could compute locally what it should have received.
+Why two sizes, and fresh random data each time: a check must not pass an answer that guesses
+instead of computing. At one size, a hard-coded ``/ 3`` looks like ``/ world_size``; at 2 and 3
+ranks (3 and 5 micro-batches) no fixed number is right twice. With the same seeded data every
+time, a rank could compute locally what it should have received; and what the collectives
+carried is checked too, so that numbers that reached a rank another way (a file) do not pass.
 
 To see how a check counts your collective calls ("you called all_reduce 8 times; one call is
-enough"): while your function runs, a :class:`gradsync_tutorial.detect.CollectiveCounter`
-replaces the ``torch.distributed`` collectives by counting wrappers, in ``torch.distributed``
-and in your function's globals (so ``from torch.distributed import all_reduce`` is counted too).
+enough") and what they carried: while your function runs, a
+:class:`gradsync_tutorial.exercises.evidence.Recorder` (a
+:class:`gradsync_tutorial.detect.CollectiveCounter`) replaces the ``torch.distributed``
+collectives by recording wrappers, in ``torch.distributed`` and in your function's globals (so
+``from torch.distributed import all_reduce`` is counted too); each keeps the numbers the call
+sent and delivered.
 
 The exercises, one module each, named after the idea it checks (``gather_ranks``,
 ``accumulate``, ``flat_average``, ``broadcast``, ``mean_loss``, ``overlap``, ``checkpoint``),
@@ -37,7 +42,9 @@ with reference solutions in ``notebooks/solutions/``: see :data:`EXERCISES` (lis
 Each module declares its exercise once, with :func:`~gradsync_tutorial.exercises.common.exercise`
 on its check; this package imports every module here, so adding an exercise is adding its
 module (the check), its solution and its test (and the exercise in its notebook). The plumbing
-they share (declaring, launching, comparing tensors) is :mod:`~gradsync_tutorial.exercises.common`.
+they share is :mod:`~gradsync_tutorial.exercises.common` (declaring, launching at each size,
+diagnosing) and :mod:`~gradsync_tutorial.exercises.evidence` (what the collectives carried,
+comparing tensors); the first one's docstring is the recipe for a new exercise.
 
 Introduced in ``notebooks/00_launching_workers.ipynb`` (its exercise).
 """
@@ -50,12 +57,11 @@ import pkgutil
 from .common import CHECK_TIMEOUT as CHECK_TIMEOUT
 from .common import EXERCISES, Exercise, ExerciseFailed
 
-# Every module of this package but common declares one exercise: importing it registers it in
-# EXERCISES. Then each check is an attribute of the package (gst.exercises.check_gather_ranks),
-# in the order of the notebooks.
+# Every module of this package but common and evidence (what the checks share) declares one
+# exercise: importing it registers it in EXERCISES. Then each check is an attribute of the
+# package (gst.exercises.check_gather_ranks), in the order of the notebooks.
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module != "common":
-        importlib.import_module(f".{_module}", __name__)
+    importlib.import_module(f".{_module}", __name__)  # common, evidence: register nothing
 _in_order = sorted(EXERCISES.items(), key=lambda item: item[1].notebook)
 EXERCISES.clear()
 EXERCISES.update(_in_order)

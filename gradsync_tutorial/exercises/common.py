@@ -1,63 +1,70 @@
-"""What every exercise check shares: declaring an exercise, the launch, the messages, the
-comparisons of tensors, the course's model with random data.
+"""What every exercise check shares: declaring an exercise, running the learner's function at
+several sizes, and the table of diagnoses that reads each run.
 
-An exercise is declared once, by decorating its check (in a module of its own, named after the
-idea it checks)::
+A check lives in a module of its own, named after the idea it checks, in four parts::
 
-    @exercise("02_manual_allreduce_averaging.ipynb", "average_gradients_flat(model)")
-    def check_average_gradients_flat(average_gradients_flat, world_size=WORLD_SIZE, *,
-                                     timeout=CHECK_TIMEOUT) -> str:
-        outs = run_on_ranks(_worker, average_gradients_flat, world_size, timeout)
-        ...                      # diagnose: fail("...") on the most telling mistake first
-        return "one all_reduce for all 8 gradients ..."   # what was verified
+    def _worker(rank, world_size, fn):           # 1. on every rank: run fn, return the facts
+        model, images, labels = evidence.model_and_data(rank)
+        ...
+        with evidence.Recorder(fn) as calls:     # counts fn's collectives, keeps what they carried
+            common.attempt(fn, model)            # NotImplementedError: "not attempted yet"
+        return {"got": ..., "calls": calls.log}
 
-:func:`exercise` registers it in :data:`EXERCISES` (under the function's name, the check's
-name without ``check_``), derives its reference solution, ``notebooks/solutions/<NN>_<name>.py``,
-and does what every check does around its diagnosis: refuse what is not a function taking the
-arguments of ``usage``; print "not attempted yet" when the learner's function still raises
-``NotImplementedError`` (:func:`run_on_ranks` and :func:`call_or_stub` say so by raising
-:class:`NotAttempted`); print "✓ correct: <what the check returned>" otherwise. The package
-imports every module of ``exercises/``, so a new exercise is its module, its solution, its
-test (and the notebook that sets it).
+    def _gradients_unchanged(run):               # 2. one diagnosis: what is wrong, or None
+        if ...:
+            return "the gradients did not change: ..."
 
-The workers that run on the ranks are module-level functions, so that they reach the ranks by
-reference to their module; they call the learner's function inside a
-:class:`~gradsync_tutorial.detect.CollectiveCounter`.
+    DIAGNOSES = (_shape_error, _gradients_unchanged, ...)   # most telling mistake first
+
+    def _verified(runs):                         # 3. the "✓ correct" sentence, from the runs
+        return f"{common.sizes_text(runs)}, one all_reduce carried ..."
+
+    @common.exercise("02_manual_allreduce_averaging.ipynb", "average_gradients_flat(model)")
+    def check_average_gradients_flat(average_gradients_flat, world_size=common.WORLD_SIZES, *,
+                                     timeout=common.CHECK_TIMEOUT) -> str:   # 4. the check
+        return common.on_ranks(_worker, average_gradients_flat, world_size, timeout,
+                               DIAGNOSES, _verified)
+
+:func:`on_ranks` launches the worker at each world size (2, then 3 ranks by default: any
+number a solution hard-codes is wrong at one of them) and hands each size's :class:`Run` to
+the diagnoses in order; the first that finds something fails the check with its message,
+prefixed with the size (and the sizes at which the answer was right). A check that runs in
+the notebook's own process (notebook 01's) builds its runs itself and calls :func:`diagnose`.
+:func:`exercise` registers the check in :data:`EXERCISES` (under the learner's function's
+name, the check's name without ``check_``), derives its reference solution,
+``notebooks/solutions/<NN>_<name>.py``, refuses what is not a function taking the arguments of
+``usage``, prints "not attempted yet" when the learner's function still raises
+``NotImplementedError``, and "✓ correct: <what _verified said>" otherwise. The package imports
+every module of ``exercises/``, so a new exercise is its module, its solution, its test (and
+the notebook that sets it).
+
+The workers are module-level functions, so that they reach the ranks by reference to their
+module. What they record and how the diagnoses compare it is
+:mod:`~gradsync_tutorial.exercises.evidence`: a check verifies what the collectives carried
+(values no rank could know alone), not only that one was called.
 
 Part of :mod:`gradsync_tutorial.exercises` (introduced in ``notebooks/00_launching_workers.ipynb``).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from .. import LaunchTimeoutError, RankFailedError, launch
+from .._wording import require_int
 
-from .._wording import ranks, require_int
-from ..checks import max_abs_diff as max_abs_diff  # the package's one comparison of tensors
-from ..detect import CollectiveCounter as CollectiveCounter
-from ..launcher import HANG_HINT, LaunchTimeoutError, RankFailedError, launch
-from ..model import Net
-
-SEED = 1234
-#: Seconds a check waits for your function on every rank (start-up included) before it calls
-#: it a hang. Pass ``timeout=`` to a check to change it.
+#: Seconds a check waits for your function on every rank, at each size (start-up included),
+#: before it calls it a hang. Pass ``timeout=`` to a check to change it.
 CHECK_TIMEOUT = 60.0
-#: The ranks a check runs on by default: 3, a number a solution cannot take for granted (the
-#: course's examples use 2, so a hard-coded 2 shows).
-WORLD_SIZE = 3
+#: The world sizes a check runs at by default, one launch each: 2 (the course's examples) and
+#: 3, so that any number a solution hard-codes in place of the world size is wrong at one.
+WORLD_SIZES = (2, 3)
 #: What a worker returns when the learner's function raised NotImplementedError (the stub).
 STUB = "gradsync-exercise-not-attempted"
-# Relative and absolute tolerance for "the same numbers" (sums in another order round apart).
-RTOL, ATOL = 1e-4, 1e-7
 
 
 class ExerciseFailed(AssertionError):
@@ -96,8 +103,8 @@ def exercise(notebook: str, usage: str) -> Callable[[Callable[..., str]], Callab
     """Declare the exercise that the decorated ``check_<name>`` checks (see the module's
     docstring): ``notebook`` sets it, ``usage`` is how the check calls the learner's function.
 
-    The decorated function diagnoses: it calls :func:`fail` on a mistake and returns what it
-    verified. The check that learners call prints one status line and returns None.
+    The decorated function returns what it verified (it fails through :func:`fail`). The
+    check that learners call prints one status line and returns None.
     """
 
     def declare(diagnose: Callable[..., str]) -> Callable[..., None]:
@@ -169,12 +176,115 @@ def fail(message: str):
 
 
 # --------------------------------------------------------------------------------------------
-# Running the learner's function
+# Running the learner's function, at every size, and diagnosing each run
 # --------------------------------------------------------------------------------------------
 
 
-def call_or_stub(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` in this process; :class:`NotAttempted` if it raises NotImplementedError."""
+@dataclass
+class Run:
+    """One size's run of the learner's function: what every diagnosis is given.
+
+    ``outs`` holds what the worker returned, by rank (one entry for a check that runs in the
+    notebook's process); ``label`` says where it ran ("on 3 ranks").
+    """
+
+    name: str  # the learner's function's name
+    size: int  # the world size (or the number of micro-batches)
+    outs: list
+    label: str
+
+    @property
+    def out(self) -> Any:
+        """Rank 0's facts."""
+        return self.outs[0]
+
+    def first(self, fact: str) -> tuple[int, Any]:
+        """(rank, value) of the first rank whose ``fact`` is there and true, else (None, None)."""
+        return next(((r, o[fact]) for r, o in enumerate(self.outs) if o.get(fact)), (None, None))
+
+
+#: A diagnosis: what is wrong with one run (a message for the learner), or None.
+Diagnosis = Callable[[Run], "str | None"]
+
+
+def left_alone(fact: str, advice: str) -> Diagnosis:
+    """A diagnosis for what the answer must not touch: the first rank whose ``fact`` is a text
+    ("changed the parameters: `conv1.weight` ..." from :func:`evidence.changed_text`) gets
+    "on rank <r>, <fn> <text>: <advice>"."""
+
+    def touched(run: Run) -> str | None:
+        rank, changed = run.first(fact)
+        if changed:
+            return f"on rank {rank}, {run.name} {changed}: {advice}"
+
+    touched.__name__ = touched.__qualname__ = f"_{fact}_left_alone"
+    return touched
+
+
+def diagnose(run: Run, diagnoses: Sequence[Diagnosis], right: Sequence[Run] = ()) -> None:
+    """Fail with the first of ``diagnoses`` that finds something wrong with ``run``; the
+    message says where (and at which sizes, ``right``, the answer was right)."""
+    __tracebackhide__ = True
+    for diagnosis in diagnoses:
+        message = diagnosis(run)
+        if message:
+            where = " and ".join(r.label for r in right)
+            fail(f"{f'right {where}, but ' if where else ''}{run.label}: {message}")
+
+
+def sizes(value: int | Sequence[int], name: str, minimum: int, what: str = "") -> tuple[int, ...]:
+    """The sizes a check runs at: ``value`` (an int, or several), each checked."""
+    values = (value,) if isinstance(value, int) else tuple(value)
+    if not values:
+        raise ValueError(f"{name} must be an int or a non-empty list of ints, got {value!r}.")
+    for v in values:
+        require_int(v, name, minimum=minimum, what=what)
+    return tuple(dict.fromkeys(values))
+
+
+def sizes_text(runs: Sequence[Run]) -> str:
+    """"on 2 and 3 ranks": every run's label, joined."""
+    labels = [r.label for r in runs]
+    if all(label.startswith("on ") and label.endswith(" ranks") for label in labels):
+        return "on " + " and ".join(label[3:-6] for label in labels) + " ranks"
+    return " and ".join(labels)
+
+
+# The world size the last check launched at last: `launch` keeps one pool of idle workers, of
+# that size, and a launch that finds it starts no process. (A guess: a launch of another size
+# since then, in the notebook, has replaced that pool.)
+_last_launched: list[int] = []
+
+
+def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], timeout: float,
+             diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str]) -> str:
+    """Run ``worker(rank, world_size, fn)`` at each world size in turn and diagnose each run;
+    return ``verified(runs)``: the check of a distributed exercise.
+
+    A wrong answer stops at the first size that shows it. The size whose idle workers are
+    still there (the last one launched) runs first, whatever its turn: it costs no start-up.
+    """
+    __tracebackhide__ = True
+    order = sizes(world_size, "world_size", 2, "a check needs several ranks")
+    runs: dict[int, Run] = {}
+
+    def run_at(n: int) -> Run:
+        if n not in runs:
+            runs[n] = Run(name_of(fn), n, run_on_ranks(worker, fn, n, timeout), f"on {n} ranks")
+            _last_launched[:] = [n]
+        return runs[n]
+
+    warm = [n for n in order if n in _last_launched]
+    for i, n in enumerate(order):
+        for first in warm + [n]:
+            run_at(first)
+        warm = []
+        diagnose(runs[n], diagnoses, [runs[m] for m in order[:i]])
+    return verified([runs[n] for n in order])
+
+
+def attempt(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``; :class:`NotAttempted` if it raises NotImplementedError (the stub)."""
     try:
         return fn(*args)
     except NotImplementedError:
@@ -184,9 +294,9 @@ def call_or_stub(fn: Callable, *args: Any) -> Any:
 def run_on_ranks(worker: Callable, fn: Any, world_size: int, timeout: float) -> list:
     """Run ``worker(rank, world_size, fn)`` on ``world_size`` gloo ranks; the per-rank results.
 
-    Raises :class:`NotAttempted` if a worker returned :data:`STUB` (``fn`` raised
-    NotImplementedError). An error in ``fn`` or a hang becomes an :class:`ExerciseFailed` that
-    says so.
+    Raises :class:`NotAttempted` if ``fn`` raised NotImplementedError (through
+    :func:`attempt`). An error in ``fn`` or a hang becomes an :class:`ExerciseFailed` that
+    says so; a hang's message is the launcher's own, with where each rank was.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
     require_int(world_size, "world_size", minimum=2, what="a check needs several ranks")
@@ -194,142 +304,20 @@ def run_on_ranks(worker: Callable, fn: Any, world_size: int, timeout: float) -> 
     def run(rank: int, world_size: int) -> Any:
         # A closure over fn, rather than args=(fn,), so that the launcher finds fn's source and
         # shows the learner's own line in a traceback.
-        return worker(rank, world_size, fn)
+        try:
+            return worker(rank, world_size, fn)
+        except NotAttempted:
+            return STUB
 
     try:
         results = launch(run, world_size, backend="gloo", timeout=timeout)
     except RankFailedError as e:
         raise ExerciseFailed(
-            f"{name_of(fn)} raised an error on rank {e.rank}; fix the line the traceback below "
-            f"points to, then run the check again.\n\n{e}"
+            f"{name_of(fn)} raised an error on rank {e.rank} (of {world_size}); fix the line "
+            f"the traceback below points to, then run the check again.\n\n{e}"
         ) from None
     except LaunchTimeoutError as e:
-        raise ExerciseFailed(
-            f"{name_of(fn)} did not finish within {timeout:g} s: {ranks(e.unfinished)} had not "
-            f"finished, so it hangs. {HANG_HINT}"
-        ) from None
+        raise ExerciseFailed(f"{name_of(fn)} hangs on {world_size} ranks: {e}") from None
     if any(isinstance(r, str) and r == STUB for r in results):
         raise NotAttempted
     return results
-
-
-def fresh_seed() -> int:
-    """A seed nobody can know in advance: data that only communication can deliver."""
-    return int.from_bytes(os.urandom(6), "little")
-
-
-# --------------------------------------------------------------------------------------------
-# Comparing what came back
-# --------------------------------------------------------------------------------------------
-
-
-def calls_text(counts: dict) -> str:
-    """"all_reduce 8 times, broadcast once" (or "none")."""
-    parts = []
-    for name, n in counts.items():
-        parts.append(f"{name} {'once' if n == 1 else f'{n} times'}")
-    return ", ".join(parts) or "none"
-
-
-def flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().flatten() for t in tensors.values()])
-
-
-def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    pieces = flat.split([t.numel() for t in like.values()])
-    return {name: p.view_as(t).clone() for (name, t), p in zip(like.items(), pieces, strict=True)}
-
-
-def all_ranks(tensors: dict[str, torch.Tensor], world_size: int) -> list[dict]:
-    """Every rank's copy of ``tensors`` (an all_gather), on every rank."""
-    import torch.distributed as dist
-
-    flat = flatten(tensors)
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat)
-    return [_unflatten(f, tensors) for f in everyone]
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=RTOL, atol=ATOL)
-
-
-def differing_tensors(got: dict, expected: dict) -> list[tuple[str, float]]:
-    """(name, max abs difference) of each tensor of ``got`` not close to ``expected``'s."""
-    return [(name, max_abs_diff(got[name], expected[name]))
-            for name in expected if not _close(got[name], expected[name])]
-
-
-def mean_over_ranks(everyone: list[dict]) -> dict[str, torch.Tensor]:
-    """The mean, tensor by tensor, of every rank's copy (as :func:`all_ranks` returns them)."""
-    return {n: torch.stack([e[n] for e in everyone]).mean(0) for n in everyone[0]}
-
-
-def scale(got: dict, expected: dict) -> float | None:
-    """``c`` if ``got`` is ``c * expected``, tensor by tensor, with one ``c``; else None."""
-    g, e = flatten(got).double(), flatten(expected).double()
-    if e.dot(e) == 0:
-        return None
-    c = (g.dot(e) / e.dot(e)).item()
-    return c if torch.allclose(g, c * e, rtol=RTOL, atol=ATOL) else None
-
-
-def times_text(c: float) -> str:
-    return f"{c:.1f}×" if abs(c) >= 1 else f"{c:.2g}×"
-
-
-def where_text(differing: list[tuple[str, float]], total: int) -> str:
-    """"`fc2.weight` (max abs difference 0.03; 3 of 8 tensors differ)"."""
-    name, diff = differing[0]
-    what = "a different shape" if diff == float("inf") else f"max abs difference {diff:.3g}"
-    return f"`{name}` ({what}; {len(differing)} of {total} tensors differ)"
-
-
-def divisor_hint(c: float, right: int, what: str) -> str:
-    """" Did you divide by 2 instead of world_size (3 here)? ..." if ``c == right / k``."""
-    if c <= 0:
-        return ""
-    k = right / c
-    if abs(k - round(k)) > 1e-3 or round(k) in (0, right):
-        return ""
-    return (f" Did you divide by {round(k)} instead of {what} ({right} here)? Use the value "
-            f"you are given: it is not always {round(k)}.")
-
-
-def model_and_data(rank: int, batch: int = 8, seed: int | None = None
-                    ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The course's model (the same weights on every rank, dropout off) and a rank's own batch
-    of random images, so every rank has different gradients: drawn from ``seed + rank``, by
-    default a :func:`fresh_seed` (then no rank can compute another's)."""
-    torch.manual_seed(SEED)
-    model = Net().eval()  # eval: dropout off, so every forward pass is deterministic
-    g = torch.Generator().manual_seed((fresh_seed() if seed is None else seed) + rank)
-    images = torch.randn(batch, 1, 28, 28, generator=g)
-    labels = torch.randint(0, 10, (batch,), generator=g)
-    return model, images, labels
-
-
-def is_number(x: Any) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, (int, float)):
-        return True
-    return type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0  # np.float32(1.0)
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in model.named_parameters()}
-
-
-def reference_gradient(model: nn.Module, images, labels) -> tuple[dict, float]:
-    """The gradient of the mean loss over ``images`` and that loss, on a copy of ``model``."""
-    copy_ = copy.deepcopy(model)
-    copy_.zero_grad(set_to_none=True)
-    loss = F.nll_loss(copy_(images), labels)
-    loss.backward()
-    return grads_of(copy_), loss.item()
-
-
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import psutil
 
+from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 CODE_CELLS = f"{PANEL} .jp-Notebook .jp-CodeCell"
 PROMPTS = f"{CODE_CELLS} .jp-InputArea-prompt"
-WORKER_MODULE = "gradsync_tutorial._worker"
 
 
 @dataclass

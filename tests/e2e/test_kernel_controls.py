@@ -1,4 +1,4 @@
-"""Checks 2-4 of issue 14, in JupyterLab: live rank output, the stop button, a kernel restart.
+"""The launcher in JupyterLab: live rank output, the stop button, a kernel restart.
 
 They run cells of a small probe notebook written into the server's temporary course folder, in
 one kernel, in this file's order (live output, stop, restart). The kernel's processes are found
@@ -49,8 +49,8 @@ gst.launch(skips_a_collective, world_size=2)  # timeout: 300 s, so only the stop
     """print("worker pids:", gst.launch(lambda rank, world_size: os.getpid(), world_size=2))""",
 ]
 FIRST_LINE_SECONDS = 60  # fresh workers import torch: slow on a loaded 2-core machine
-STOP_SECONDS = 5  # issue 14: the stop button ends a hang within 5 s
-RESTART_SECONDS = 10  # issue 14: a restart leaves no worker after 10 s
+STOP_SECONDS = 5  # the stop button ends a hang within 5 s
+RESTART_SECONDS = 10  # a restart leaves no worker after 10 s
 
 
 @pytest.fixture(scope="module")

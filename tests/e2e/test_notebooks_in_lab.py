@@ -1,4 +1,4 @@
-"""Checks 1 and 5 of issue 14: the course's notebooks, Run All in JupyterLab, as a reader sees them.
+"""The course's notebooks, Run All in JupyterLab, as a reader sees them (checks 1 and 5 below).
 
 Notebook 02 runs in smoke mode (the server sets SMOKE_TEST=1). The checks use what survives a
 rework of the notebooks: the error cell is the one tagged ``raises-exception`` (or marked

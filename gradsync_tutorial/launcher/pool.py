@@ -1,0 +1,409 @@
+"""The pool: the worker processes of a launch, seen from the launcher, and what it knows of a job.
+
+:class:`Workers` starts ``world_size`` fresh interpreters (``python -m
+gradsync_tutorial.launcher.worker``) and accepts their token-authenticated connections. It forwards
+every line they print into the calling cell as ``[rank r] ...``, records their messages in a
+:class:`JobState` (results, and failure records formatted only when an error is raised), and
+stops them, each rank with every process below it (:mod:`.process_tree`). The launcher drives a
+job through a few steps -- :meth:`~Workers.new_job`, :meth:`~Workers.wait_until_started`,
+:meth:`~Workers.run`, :meth:`~Workers.tear_down`, and on a failure
+:meth:`~Workers.stop_after_failure` or :meth:`~Workers.where_each_rank_is` -- and each step
+waits through one loop, :meth:`Workers.pump`, so output keeps flowing while it waits; results
+are judged apart from output, so a rank that printed a lot is not taken for a rank still running.
+The state sits beside the pump that feeds it: split into a module of its own, every step of a
+launch went back and forth between the two (so this module is the launcher's largest, ~400 lines).
+
+Nothing here ever blocks on a pipe: a rank's child can inherit the rank's stdout and keep it
+open after the rank is gone, so each reader thread owns its pipe and closes it at end of file,
+and stopping only waits a bounded time for the readers.
+
+Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import queue
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from multiprocessing.connection import Connection
+
+from . import hang_report
+from .cells import file_label, with_cell_labels
+from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
+from .process_tree import popen_kwargs, stop_trees
+from .protocol import (
+    CONTROL_ENV,
+    END_MARK,
+    END_MARK_ENV,
+    TOKEN_ENV,
+    WORKER_MODULE,
+    Finished,
+    Job,
+    Raised,
+    Ready,
+    StackReport,
+    StackRequest,
+    Teardown,
+)
+
+READER_JOIN_SECONDS = 2.0  # how long stopping waits for the output readers, all together
+TOKEN_BYTES = 16
+
+
+class JobState:
+    """What the launcher knows about one job: results, failure records, end marks seen.
+
+        >>> state = JobState(job_id=1)
+        >>> state.on_message(1, Raised(1, "ValueError", "bad", "Traceback ...", None))
+        >>> state.failures[1].summary()
+        'rank 1 raised ValueError: bad'
+    """
+
+    def __init__(self, job_id: int):
+        self.job_id = job_id
+        self.results: dict[int, bytes] = {}
+        self.failures: dict[int, Failure] = {}  # in the order they were noticed
+        self.ready: set[int] = set()
+        self.stacks: dict[int, StackReport] = {}  # where each rank was, asked at a timeout
+        self.collectives: dict[int, int | None] = {}  # how many collectives a finished rank made
+        self.marks: set = set()
+        self.eofs: set = set()
+        self.sent = False  # has the job been sent (the ranks are past start-up)?
+        self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
+
+    def fail(self, failure: Failure) -> None:
+        if failure.rank not in self.failures:
+            self.failures[failure.rank] = failure
+
+    def on_message(self, rank: int, message: object) -> None:
+        if getattr(message, "job_id", None) != self.job_id:
+            return  # a late message from an earlier job
+        if isinstance(message, Finished):
+            self.results[rank] = message.result
+            self.collectives[rank] = message.collectives
+        elif isinstance(message, Raised):
+            self.fail(Failure(
+                rank, "raised", exc_type=message.exc_type, message=message.message,
+                traceback=with_cell_labels(message.traceback), exit_code=message.exit_code,
+                lost_peer=message.lost_peer, exception=message.exception,
+            ))
+        elif isinstance(message, Ready):
+            self.ready.add(rank)
+        elif isinstance(message, StackReport):
+            self.stacks[rank] = message
+
+    def output_complete(self, ranks: Iterable[int]) -> bool:
+        return all(
+            (r, s, self.job_id) in self.marks or (r, s) in self.eofs
+            for r in ranks for s in ("stdout", "stderr")
+        )
+
+    def rebuilt_results(self, world_size: int) -> tuple[list, RankFailedError | None]:
+        """The ranks' return values in rank order, or the error naming the rank whose value
+        cannot be rebuilt here (a class only the worker could import, say)."""
+        import cloudpickle
+
+        results = []
+        for rank in range(world_size):
+            try:
+                results.append(cloudpickle.loads(self.results[rank]))
+            except Exception as e:  # noqa: BLE001 - a class only the worker could import, say
+                failure = Failure(rank, "result", exc_type=type(e).__name__, message=str(e))
+                return [], rank_failed_error([failure], started=True)
+        return results, None
+
+
+class Deadline(Exception):
+    """A step's deadline passed (the launch timed out, or the workers did not start)."""
+
+
+class Workers:
+    """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
+
+    def __init__(self, world_size: int, key: tuple):
+        self.world_size = world_size
+        self.key = key  # what the idle pool matches a later launch against
+        self.events: queue.Queue = queue.Queue()  # output: lines, end marks, end of file
+        self.messages: queue.Queue = queue.Queue()  # what the ranks send: results, errors...
+        self.conns: list[Connection | None] = [None] * world_size
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(world_size)]
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.setblocking(False)
+        self.job_id = 0
+        self.show: set[int] = set(range(world_size))
+        # Each rank's end-of-job mark carries a secret of its own, so that a line a rank prints
+        # can never pass for one (nor break the reader by looking like one).
+        self.marks = [f"{END_MARK} {secrets.token_hex(8)}" for _ in range(world_size)]
+        try:
+            self._start_all()
+        except BaseException as e:  # an interrupt between two starts, or too many open files
+            self.stop_despite_interrupts()  # never leave the ranks already started running
+            if isinstance(e, OSError) and e.errno == errno.EMFILE:
+                raise OSError(e.errno, f"could not start {world_size} worker processes: this "
+                              "process ran out of file descriptors (each rank holds several "
+                              "open). Use a smaller world_size, or raise the limit "
+                              "(`ulimit -n`) before starting Jupyter.") from e
+            raise
+
+    def _start_all(self) -> None:
+        host, port = self.server.getsockname()[:2]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{CONTROL_ENV: f"{host}:{port}"})
+        for rank in range(self.world_size):
+            env[TOKEN_ENV] = self.tokens[rank].hex()
+            env[END_MARK_ENV] = self.marks[rank]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env=env, **popen_kwargs(),
+            )
+            self.procs.append(proc)
+            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                self._thread(self._read_lines, rank, name, pipe)
+
+    def _thread(self, target, *args):
+        t = threading.Thread(target=target, args=args, daemon=True, name="gradsync-reader")
+        t.start()
+        self.threads.append(t)
+
+    def _read_lines(self, rank, stream, pipe):
+        """Forward one pipe's lines until end of file; this thread owns the pipe and closes it."""
+        mark = self.marks[rank]
+        try:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode("utf-8", "replace").rstrip("\r\n")
+                before, found, job = text.partition(mark)
+                if found:  # text printed without a newline comes just before the mark
+                    if before:
+                        self.events.put(("line", rank, stream, _last_redraw(before)))
+                    try:
+                        self.events.put(("mark", rank, stream, int(job)))
+                    except ValueError:  # cannot happen unless the secret leaked: show it
+                        self.events.put(("line", rank, stream, _last_redraw(text)))
+                else:
+                    self.events.put(("line", rank, stream, _last_redraw(text)))
+        except (OSError, ValueError):  # the pipe was closed under us: nothing more to read
+            pass
+        finally:
+            self.events.put(("eof", rank, stream, None))
+            pipe.close()
+
+    def _read_messages(self, rank, conn):
+        """Forward one rank's messages until its socket closes; this thread owns ``conn``."""
+        try:
+            while True:
+                self.messages.put(("msg", rank, None, conn.recv()))
+        except (EOFError, OSError):
+            self.messages.put(("closed", rank, None, None))
+        finally:
+            conn.close()
+
+    def _accept(self):
+        """Take any worker that has connected back; check its token to learn its rank."""
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.settimeout(5)
+            try:
+                token = b""
+                while len(token) < TOKEN_BYTES:
+                    chunk = sock.recv(TOKEN_BYTES - len(token))
+                    if not chunk:
+                        break
+                    token += chunk
+            except OSError:
+                token = b""
+            if token not in self.tokens or self.conns[self.tokens.index(token)] is not None:
+                sock.close()  # not one of ours
+                continue
+            rank = self.tokens.index(token)
+            sock.settimeout(None)
+            self.conns[rank] = Connection(sock.detach())
+            self._thread(self._read_messages, rank, self.conns[rank])
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    # -- one job, step by step: what the launcher calls ----------------------------------------
+
+    def new_job(self, show: Iterable[int] | None) -> JobState:
+        """Number a new job on these workers; print only the ranks ``show`` (None: all)."""
+        self.job_id += 1
+        self.show = set(range(self.world_size) if show is None else show)
+        return JobState(self.job_id)
+
+    def wait_until_started(self, state: JobState, deadline: float) -> None:
+        """Forward start-up output until every worker has connected back."""
+        self.pump(state, deadline, lambda: all(self.conns))
+
+    def run(self, state: JobState, jobs: Sequence[Job], deadline: float) -> None:
+        """Send each rank its job; wait until every rank returned, one failed, or ``deadline``."""
+        for rank, job in enumerate(jobs):
+            self.send(rank, job)
+        state.sent = True
+        self.pump(state, deadline, lambda: len(state.results) == self.world_size)
+
+    def tear_down(self, state: JobState, output_idle: float, seconds: float) -> None:
+        """Every rank returned: print the rest of their output (however long that takes), then
+        destroy their process groups (``seconds``), leaving them ready for the next job."""
+        self.drain_output(state, range(self.world_size), output_idle)
+        for rank in range(self.world_size):
+            self.send(rank, Teardown(state.job_id))
+        self.pump(state, time.monotonic() + seconds, lambda: len(state.ready) == self.world_size)
+
+    def stop_after_failure(self, state: JobState) -> RankFailedError:
+        """A rank failed: let the others report, stop them all, return the error to raise."""
+        world_size = self.world_size
+        # Give the other ranks a moment to report errors of their own (an error raised on every
+        # rank), then stop them all, and show what the failed ranks printed.
+        try:
+            self.drain(state, lambda: len(state.failures) == world_size, 0.05, note_exits=True)
+            if all(f.lost_peer for f in state.failures.values()):
+                # A rank lost its peer under a collective: the peer that went away is the story,
+                # and its exit can be noticed a moment after the survivor's report. Wait for it.
+                self.drain(state, lambda: not all(f.lost_peer for f in state.failures.values())
+                           or len(state.failures) == world_size, 2.0, note_exits=True)
+            self.drain(state, lambda: state.output_complete(state.failures), 0.5)
+        finally:  # the stop button pressed while the failure is being reported included
+            self.stop_despite_interrupts()
+        self.drain(state, lambda: state.output_complete(range(world_size)), 1.0)
+        for rank, failure in state.failures.items():
+            failure.stderr_tail = tuple(state.stderr_tail[rank])
+        return rank_failed_error(list(state.failures.values()), state.sent)
+
+    def where_each_rank_is(self, state: JobState) -> str:
+        """At a timeout, before stopping the ranks: ask each for its stack, say who waits for
+        whom (:mod:`~gradsync_tutorial.launcher.hang_report`)."""
+        unfinished = [r for r in range(self.world_size) if r not in state.results]
+        for rank in unfinished:
+            self.send(rank, StackRequest(state.job_id))
+        self.drain(state, lambda: all(r in state.stacks or r in state.results
+                                      for r in unfinished), hang_report.STACK_SECONDS)
+        finished = {r: state.collectives.get(r) for r in state.results}
+        return hang_report.describe(self.world_size, state.stacks, finished, file_label)
+
+    # -- the pump: everything a step waits for goes through here -------------------------------
+
+    def pump(self, state: JobState, deadline: float, done: Callable[[], bool]) -> None:
+        """Forward output and collect messages until ``done()``, a failure, or the deadline."""
+        while not done():
+            if not all(self.conns):
+                self._accept()
+            self._handle_next_event(state)
+            self._note_exits(state)
+            if state.failures:
+                return
+            if time.monotonic() > deadline:
+                raise Deadline
+
+    def drain(self, state: JobState, until: Callable[[], bool], seconds: float,
+              note_exits: bool = False) -> None:
+        """Keep forwarding output for up to ``seconds`` until ``until()``; never raises.
+
+        ``note_exits``: also record ranks whose process ended (only before we stop them).
+        """
+        end = time.monotonic() + seconds
+        while not until() and time.monotonic() < end:
+            self._handle_next_event(state)
+            if note_exits:
+                self._note_exits(state)
+
+    def _note_exits(self, state: JobState) -> None:
+        """A rank whose process ended without reporting a result or an error has failed."""
+        for rank, proc in enumerate(self.procs):
+            if rank not in state.results and rank not in state.failures:
+                returncode = proc.poll()
+                if returncode is not None:
+                    state.fail(exit_failure(rank, returncode, state.sent))
+
+    def _handle_next_event(self, state: JobState) -> None:
+        """Record every message that arrived, then print one line (or note a mark or an EOF).
+
+        Messages come first and on a queue of their own: a rank that printed a million lines
+        and then returned has finished, however long the notebook takes to show those lines.
+        Waits at most 10 ms.
+        """
+        while True:
+            try:
+                kind, rank, _, value = self.messages.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "msg":
+                state.on_message(rank, value)
+        try:
+            kind, rank, stream, value = self.events.get(timeout=0.01)
+        except queue.Empty:
+            return
+        if kind == "line":
+            if stream == "stderr":
+                state.stderr_tail[rank].append(value)
+            if rank in self.show:
+                print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
+        elif kind == "mark":
+            state.marks.add((rank, stream, value))
+        elif kind == "eof":
+            state.eofs.add((rank, stream))
+
+    def drain_output(self, state: JobState, ranks: Iterable[int], idle_seconds: float) -> None:
+        """Print the ranks' output up to their end-of-job marks, however long that takes.
+
+        Gives up only when no output at all arrived for ``idle_seconds`` (a mark that never
+        comes: the rank closed its stdout, say).
+        """
+        ranks = list(ranks)
+        last = time.monotonic()
+        while not state.output_complete(ranks):
+            before = self.events.qsize()
+            self._handle_next_event(state)
+            if before or self.events.qsize():
+                last = time.monotonic()
+            elif time.monotonic() - last > idle_seconds:
+                return
+
+    def send(self, rank: int, message: object) -> None:
+        try:
+            self.conns[rank].send(message)
+        except OSError:
+            pass  # it died: the pump sees the exit and reports it
+
+    def stop(self) -> None:
+        """Stop every worker and everything it started; never blocks on a pipe."""
+        stop_trees(self.procs)
+        self.close()
+
+    def stop_despite_interrupts(self) -> None:
+        """:meth:`stop`, even if the user presses the stop button again meanwhile."""
+        while True:
+            try:
+                self.stop()
+                return
+            except KeyboardInterrupt:
+                continue
+
+    def close(self) -> None:
+        """Release the sockets; wait a bounded time for the reader threads.
+
+        The readers close their own pipes at end of file. One that is still blocked after
+        the ranks are gone reads a pipe held by a process that escaped its rank (one that
+        double-forked away): it is a daemon thread, and it ends when that process ends.
+        """
+        self.server.close()  # the connections are closed by their reader threads
+        end = time.monotonic() + READER_JOIN_SECONDS
+        for t in self.threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
+
+
+def _last_redraw(text: str) -> str:
+    """A progress bar redrawn with ``\\r``: keep its last state."""
+    return text.rsplit("\r", 1)[-1]

@@ -1,0 +1,148 @@
+"""The call to ``gst.launch``, checked before any process starts: every bad argument gets a
+message that names it, the value received and what to do.
+
+Also what this machine can start: a rank is a whole Python process with torch imported, so a
+``world_size`` beyond the memory or the file-descriptor limit is refused with the largest that
+fits, before the machine swaps or a start fails half-way with "Too many open files".
+
+    >>> check_call(lambda rank, world_size: 0, 2, (), "mpi", 10.0, None, None, None)
+    Traceback (most recent call last):
+    ValueError: unknown backend 'mpi': use one of auto, gloo, nccl ('auto' picks nccl ...
+
+Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+from collections.abc import Iterable
+
+from .._wording import require_int
+
+BACKENDS = ("auto", "gloo", "nccl")
+MAX_TIMEOUT = 1e9  # seconds (31 years): past it, datetime.timedelta overflows
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+# What one rank costs, to refuse a world_size the machine cannot start (see max_world_size).
+RANK_MEMORY_BYTES = 300 * 2**20  # private memory of an idle rank (Python + torch), measured
+RANK_FILE_DESCRIPTORS = 8  # held open in the notebook per rank: pipes, sockets, store links
+
+
+def max_world_size() -> tuple[int, str]:
+    """The most ranks this machine can start at once, and what limits it.
+
+    Each rank is a whole Python process with torch imported (about 0.3 GB of its own memory)
+    and holds about 8 file descriptors open in the notebook's process. More ranks than cores
+    is fine (they share the cores); more ranks than memory or descriptors is not: the machine
+    swaps, or the start fails half-way with "Too many open files".
+    """
+    limits = []
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows has no sysconf
+        memory = None
+    if memory:
+        limits.append((max(1, memory // RANK_MEMORY_BYTES),
+                       f"each rank is a Python process with torch (~0.3 GB of memory) and this "
+                       f"machine has {memory / 2**30:.0f} GB"))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # Windows
+        soft = resource = None
+    if soft is not None and soft != getattr(resource, "RLIM_INFINITY", -1):
+        spare = soft - _open_descriptors() - 32  # a margin for the notebook itself
+        limits.append((max(1, spare // RANK_FILE_DESCRIPTORS),
+                       f"each rank holds ~{RANK_FILE_DESCRIPTORS} file descriptors open in this "
+                       f"process and its limit is {soft} (raise it with `ulimit -n` before "
+                       "starting Jupyter)"))
+    return min(limits, default=(sys.maxsize, ""))
+
+
+def _open_descriptors() -> int:
+    for folder in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
+        try:
+            return len(os.listdir(folder))
+        except OSError:
+            continue
+    return 64
+
+
+def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
+    require_int(world_size, "world_size", what="the number of ranks", hint="Try world_size=2.")
+    limit, why = max_world_size()
+    if world_size > limit:
+        raise ValueError(f"world_size={world_size} is more ranks than this machine can start: "
+                         f"{why}. Use world_size={limit} or fewer.")
+    if not callable(fn):
+        raise TypeError(f"fn must be a function taking (rank, world_size, *args), "
+                        f"got {type(fn).__name__} {fn!r}.")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple of extra arguments for fn, got "
+                        f"{type(args).__name__}. For one argument write args=({args!r},).")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: let them run
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(0, world_size, *args)
+        except TypeError as e:
+            name = getattr(fn, "__name__", repr(fn))
+            raise TypeError(
+                f"launch calls fn(rank, world_size, *args), but {name}{sig} cannot take "
+                f"{2 + len(args)} positional arguments ({e}). Define it as "
+                f"`def {name}(rank, world_size{', ...' if args else ''}):`"
+                + (f", or, for a torchrun-style entry point that reads RANK and WORLD_SIZE "
+                   f"itself, launch `lambda rank, world_size: {name}()`."
+                   if _takes_no_arguments(sig) and not args else ".")
+            ) from None
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} "
+                         "('auto' picks nccl when there is a GPU per rank, else gloo).")
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+            or not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be a positive number of seconds (finite), got "
+                         f"{timeout!r}. For a long run pass a generous bound, such as "
+                         f"timeout=24 * 3600 (at most {MAX_TIMEOUT:.0e}).")
+    if num_threads is not None:
+        require_int(num_threads, "num_threads", what="torch threads per rank",
+                    hint="Leave num_threads=None for CPU cores // world_size.")
+    if show_ranks is not None:
+        bad = [r for r in show_ranks
+               if isinstance(r, bool) or not isinstance(r, int) or r not in range(world_size)]
+        if bad:
+            raise ValueError(f"show_ranks={list(show_ranks)} names ranks {bad} outside "
+                             f"0..{world_size - 1}: pass a list of ranks, such as "
+                             f"show_ranks=[0].")
+    if master_port is not None and (isinstance(master_port, bool)
+                                    or not isinstance(master_port, int)
+                                    or not 0 <= master_port <= 65535):
+        raise ValueError(f"master_port must be an int port number in 1..65535, or 0 or None "
+                         f"(launch picks a free port), got {master_port!r}.")
+
+
+def ranks_to_show(show_ranks) -> tuple | None:
+    """``show_ranks`` read once: a generator or a range work, a single rank gets a hint."""
+    if show_ranks is None:
+        return None
+    if isinstance(show_ranks, (str, bytes)) or not isinstance(show_ranks, Iterable):
+        raise TypeError(f"show_ranks must be a list of ranks, got {type(show_ranks).__name__} "
+                        f"{show_ranks!r}. For one rank write show_ranks=[{show_ranks!r}].")
+    return tuple(show_ranks)
+
+
+def _takes_no_arguments(sig: inspect.Signature) -> bool:
+    return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.KEYWORD_ONLY)
+               for p in sig.parameters.values())

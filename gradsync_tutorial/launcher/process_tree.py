@@ -1,0 +1,130 @@
+"""Stopping a rank and every process below it, on each platform: the only code of the launcher
+that looks at the operating system.
+
+A rank starts in a process group of its own (a new session on POSIX, a new process group on
+Windows), so that Jupyter's stop button, an interrupt for the notebook's group, does not reach it:
+the launcher stops it, in order. Stopping reads the rank's process tree first (``/proc`` on
+Linux, ``ps`` on macOS and the BSDs), because a child that started a session of its own is out
+of reach of the rank's group, and once the rank is gone its children are no longer below it;
+then it signals the rank's group and every process of the tree. Windows has no such signals:
+``taskkill /T /F`` stops the tree. Each branch is tested with the platform monkeypatched.
+
+    >>> import subprocess, sys
+    >>> proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+    ...                         **popen_kwargs())
+    >>> tree(proc)                          # no child processes
+    set()
+    >>> stop_trees([proc]); proc.poll() is not None
+    True
+
+Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+GRACE_SECONDS = 1.0  # between SIGTERM and SIGKILL when stopping ranks
+
+
+def stop_trees(procs: Sequence[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
+    """Stop each process and everything it started: SIGTERM, ``grace`` seconds, SIGKILL.
+
+    Each tree is read *before* signalling it: a child that started a session of its own is
+    out of reach of the rank's process group, and once the rank is gone its children are no
+    longer below it. Returns once every process in ``procs`` has ended.
+    """
+    trees = {proc.pid: tree(proc) for proc in procs}
+    for proc in procs:
+        signal_tree(proc, trees[proc.pid], signal.SIGTERM)
+    end = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        pids = trees[proc.pid] | tree(proc)  # and whatever it started meanwhile
+        signal_tree(proc, pids, getattr(signal, "SIGKILL", signal.SIGTERM))
+        proc.wait()
+
+
+def popen_kwargs() -> dict[str, Any]:
+    """Start a rank in a process group of its own, so that an interrupt for the notebook's
+    group (Jupyter's stop button) does not reach it: the launcher stops it, in order."""
+    if os.name == "posix":
+        return {"start_new_session": True}
+    return {"creationflags": getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0x200)}
+
+
+def tree(proc: subprocess.Popen) -> set[int]:
+    """The pids of every live process below ``proc`` (POSIX; Windows: taskkill finds them)."""
+    if os.name != "posix" or proc.poll() is not None:
+        return set()
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, ppid in process_table():
+        children[ppid].append(pid)
+    found: set[int] = set()
+    todo = [proc.pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def process_table() -> list[tuple[int, int]]:
+    """(pid, parent pid) of every process: from ``/proc`` on Linux, from ``ps`` elsewhere."""
+    if sys.platform.startswith("linux"):
+        table = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        stat = f.read()
+                except OSError:  # it ended meanwhile
+                    continue
+                # "pid (command) state ppid ...": the command may contain spaces and ")".
+                table.append((int(entry), int(stat.rsplit(b")", 1)[1].split()[1])))
+        return table
+    try:  # macOS and the BSDs have no /proc
+        out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [(int(a), int(b)) for a, b in (line.split() for line in out.splitlines()
+                                          if len(line.split()) == 2)]
+
+
+def signal_tree(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
+    """Signal the worker, its process group, and the processes ``pids`` below it."""
+    if os.name != "posix":
+        if proc.poll() is None:
+            # No signals to send on Windows: taskkill stops the worker and its descendants.
+            try:
+                subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)],
+                               capture_output=True, timeout=30)
+            except (OSError, subprocess.SubprocessError):
+                pass
+            try:
+                proc.kill()
+            except OSError:
+                pass
+        return
+    try:
+        os.killpg(proc.pid, sig)  # the rank's own group: its data-loader workers, say
+    except OSError:  # ProcessLookupError: already gone; PermissionError: a zombie group
+        pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass

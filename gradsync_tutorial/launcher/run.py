@@ -1,0 +1,327 @@
+"""Run a training function defined in a notebook cell on N ranks: ``launch(fn, world_size)``.
+
+    >>> import gradsync_tutorial as gst
+    >>> def hello(rank, world_size):
+    ...     import torch, torch.distributed as dist
+    ...     t = torch.tensor([rank + 1.0])
+    ...     dist.all_reduce(t)            # every rank receives the sum over all ranks
+    ...     return t.item()
+    >>> gst.launch(hello, world_size=2)
+    [3.0, 3.0]
+
+Introduced in ``notebooks/00_launching_workers.ipynb``.
+
+How it works, and why not torch's own launchers
+-----------------------------------------------
+* ``torch.multiprocessing.spawn`` / ``start_processes(start_method="spawn")`` pickle ``fn`` *by
+  name*, and a function defined in a notebook has no importable name (``Can't get attribute 'fn'
+  on <module '__main__'>``). The ``fork`` start method (what Accelerate's ``notebook_launcher``
+  uses) breaks once CUDA is initialized in the kernel, does not exist on Windows, is unsafe on
+  macOS and is no longer the default from Python 3.14.
+* ``torch.distributed.elastic``'s process contexts redirect worker output to log *files*; under
+  pytest/nbval nothing copies them into the cell, and a rank's error reaches the notebook as a
+  path to a file.
+
+So the launcher starts **fresh interpreters** itself with :mod:`subprocess` and pipes
+(``python -m gradsync_tutorial.launcher.worker``), sends them ``fn`` serialized *by value* with
+``cloudpickle``, and reads every line they print back into the calling cell, tagged
+``[rank r]``. What torch does well it keeps: the workers get torchrun's environment (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+initialize the process group through torch's own ``env://`` rendezvous, against a
+:class:`torch.distributed.TCPStore` that the launcher hosts, exactly as the torchrun agent does
+(``TORCHELASTIC_USE_AGENT_STORE``). The store binds a port the OS picks, so two notebooks never
+collide and nothing can take the port between choosing and binding it.
+
+Starting Python and importing torch costs ~2 s a rank, so after a successful launch the workers
+stay alive, idle, for the next launch in the same kernel (``reuse_workers=True``): a repeat
+launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. Idle
+workers exit with the kernel (they watch their socket to it) or on :func:`shutdown_workers`.
+After any failure -- an exception, a dead rank, a timeout, an interrupt -- every worker is
+stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised, together with
+every process it started, even one in a session of its own; an interrupt while the workers
+start, or while a failure is reported, stops them too. The rendezvous store listens on
+127.0.0.1 only, and a ``master_port`` is usable again as soon as the launch that used it ended.
+
+What a reused worker puts back before each job
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A job on a warm worker starts as it would in a fresh interpreter, as far as global state that
+training code commonly changes goes: the environment (the notebook's, plus torchrun's
+variables), the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``; torch's grad
+mode (on), default dtype (float32) and default device, deterministic algorithms and anomaly
+detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so that
+GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options and
+thread count; fresh random seeds for torch,
+``random`` and numpy (as a new process gets: seed inside ``fn`` for reproducible runs); the
+warnings filters (and which warnings were already shown); signal handlers; the recursion limit;
+and any function of ``builtins``, ``torch``, ``torch.distributed`` or ``torch.nn.functional``
+that a job replaced (monkeypatched). Not reset: modules already imported (call
+:func:`shutdown_workers` after editing one), other modules' globals, threads a job left
+running, CUDA state. ``reuse_workers=False`` gives every launch fresh interpreters.
+
+Platforms
+~~~~~~~~~
+Written for Linux, macOS and Windows, run here on Linux only (see the README). Each rank starts
+in a process group of its own (a new session on POSIX, ``CREATE_NEW_PROCESS_GROUP`` on
+Windows). Stopping reads the rank's process tree first (``/proc`` on Linux, ``ps`` on macOS)
+and signals all of it; Windows has no such signals, and ``taskkill /T /F`` stops the tree. On
+Linux a rank also dies with the notebook's process even when stuck in C code
+(``PR_SET_PDEATHSIG``), and so does every process it forks from Python; elsewhere the socket
+to the notebook is the lifeline, which a rank stuck in C code holding the GIL cannot read.
+A process that a rank started and that detached itself completely (a daemon that
+double-forked) is out of reach everywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ..device import backend_for
+from . import pool
+from .cells import serialize, shown_from_caller
+from .errors import timeout_error
+from .preflight import check_call, cpu_count, ranks_to_show
+from .protocol import PRIVATE_ENV, Job
+
+__all__ = ["launch", "shutdown_workers"]
+
+# Start-up is not part of a launch's timeout: a fresh worker imports torch (2 s here, far more on
+# a laptop with an antivirus). It gets max(timeout, STARTUP_SECONDS) of its own.
+STARTUP_SECONDS = 60.0
+# After fn returned everywhere: the ranks' process-group teardown gets this long of its own.
+TEARDOWN_SECONDS = 30.0
+# The ranks' output is printed until their end-of-job marks, as long as it keeps coming.
+OUTPUT_IDLE_SECONDS = 5.0
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "auto",
+    timeout: float = 300.0,
+    num_threads: int | None = None,
+    show_ranks: Iterable[int] | None = None,
+    reuse_workers: bool = True,
+    master_port: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    Each rank is a fresh Python process with torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and the default
+    process group already initialized, so the body of ``fn`` runs unchanged under torchrun.
+    Every line a rank prints appears in the calling cell as ``[rank r] ...``.
+
+    Args:
+        fn: the function each rank runs. It may be defined in a notebook cell, be a lambda or
+            a closure: it is sent to the workers by value (cloudpickle).
+        world_size: how many ranks (processes) to start; at most what the machine's memory
+            (~0.3 GB a rank) and file-descriptor limit allow, else a ValueError says how many.
+        args: extra positional arguments, copied to every rank.
+        backend: ``"auto"`` (nccl with one GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
+            With a GPU per rank, each rank's current device is ``cuda:LOCAL_RANK``.
+        timeout: seconds ``fn`` may run, counted from the moment every rank is ready. Past it
+            every rank is stopped and :class:`LaunchTimeoutError` names the ranks that had not
+            finished. Start-up (fresh workers import torch) has a limit of its own,
+            ``max(timeout, STARTUP_SECONDS)``, so a short timeout also works on cold workers.
+            It judges the ranks' results, not their output: a rank that returned in time is
+            not late because the notebook is still printing what it wrote.
+        num_threads: ``torch.set_num_threads`` in each rank; default: CPU cores // world_size,
+            at least 1, so that the ranks do not oversubscribe a laptop.
+        show_ranks: print only these ranks' output, a list such as ``[0]`` (default: all).
+        reuse_workers: keep the processes for the next launch in this kernel (fast restarts).
+        master_port: the rendezvous port (on 127.0.0.1); default ``None``: a free port
+            picked by the OS.
+
+    Returns:
+        The ranks' return values, ordered by rank. Tensors in them arrive on the CPU.
+
+    Raises:
+        RankFailedError: a rank raised (its traceback is in the message) or died.
+        LaunchTimeoutError: ``timeout`` passed first (typically a rank skipped a collective).
+        KeyboardInterrupt: re-raised after every rank has been stopped.
+
+    Example:
+        >>> import gradsync_tutorial as gst
+        >>> gst.launch(lambda rank, world_size: rank * 10, world_size=2)
+        [0, 10]
+    """
+    # IPython and pytest hide frames that set this: an error cell then shows the rank's
+    # traceback (in the message) under the reader's own line, without the launcher's insides.
+    __tracebackhide__ = True
+    show_ranks = ranks_to_show(show_ranks)  # read once: it may be a generator
+    check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
+    backend, device = backend_for(backend, world_size)  # the one device rule (device.py)
+    payload, sources = serialize(fn, args)
+    num_threads = num_threads or max(1, cpu_count() // world_size)
+
+    # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
+    store = _rendezvous_store(master_port, timeout)
+    try:
+        workers = _take_workers(world_size, reuse_workers)
+    except BaseException:  # they could not all start (and were stopped): release the port
+        del store
+        raise
+    state = workers.new_job(show_ranks)
+    startup = max(timeout, STARTUP_SECONDS)
+    try:
+        workers.wait_until_started(state, time.monotonic() + startup)
+        deadline = time.monotonic() + timeout  # the job's own time starts now
+        workers.run(state, [Job(
+            state.job_id, payload, _job_env(rank, world_size, store.port, num_threads),
+            os.getcwd(), list(sys.path), backend, device, num_threads,
+            collective_timeout=timeout + 30,  # our timeout reports it first
+            sources=sources,
+        ) for rank in range(world_size)], deadline)
+        if not state.failures:
+            # Every rank returned in time; printing what they wrote takes what it takes.
+            workers.tear_down(state, OUTPUT_IDLE_SECONDS, max(timeout, TEARDOWN_SECONDS))
+        if state.failures:  # in the job or its teardown. Stop every rank while the store is
+            # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
+            error = workers.stop_after_failure(state)
+    except pool.Deadline:
+        report = workers.where_each_rank_is(state) if state.sent else ""
+        workers.stop()
+        raise shown_from_caller(timeout_error(world_size, state.results, timeout, startup,
+                                              state.sent, report)) from None
+    except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
+        workers.stop_despite_interrupts()
+        raise
+    finally:
+        del store  # closes the port
+
+    if state.failures:
+        # from: the rank's exception, when it could be rebuilt
+        raise shown_from_caller(error) from error.__cause__
+    _give_back(workers, reuse_workers)
+    results, error = state.rebuilt_results(world_size)
+    if error is not None:
+        raise shown_from_caller(error) from None
+    return results
+
+
+# -- the idle pool, kept between launches ------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_idle: pool.Workers | None = None
+
+
+def _pool_key(world_size: int) -> tuple:
+    return (world_size, sys.executable, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _take_workers(world_size: int, reuse: bool) -> pool.Workers:
+    """Return the idle pool if it fits, else freshly started processes."""
+    global _idle
+    with _pool_lock:
+        idle, _idle = _idle, None
+    if idle is not None:
+        if reuse and idle.key == _pool_key(world_size) and idle.alive():
+            return idle
+        idle.stop_despite_interrupts()
+    return pool.Workers(world_size, _pool_key(world_size))
+
+
+def _give_back(workers: pool.Workers, reuse: bool) -> None:
+    """Keep ``workers`` idle for the next launch (``reuse``), else stop them."""
+    global _idle
+    if reuse:
+        with _pool_lock:
+            if _idle is None:
+                _idle = workers
+                return
+    workers.stop_despite_interrupts()
+
+
+def shutdown_workers() -> None:
+    """Stop the idle workers kept for the next launch (they also stop with the kernel).
+
+    Call it after editing a module that your training function imports, so that the next
+    launch starts fresh interpreters that import the new code.
+
+        >>> import gradsync_tutorial as gst
+        >>> gst.shutdown_workers()
+    """
+    global _idle
+    with _pool_lock:
+        idle, _idle = _idle, None
+    if idle is not None:
+        idle.stop_despite_interrupts()
+
+
+atexit.register(shutdown_workers)
+
+
+def _rendezvous_store(port: int | None, timeout: float):
+    """The store every rank's ``env://`` rendezvous connects to, listening on 127.0.0.1 only.
+
+    torch's ``TCPStore`` listens on every interface; here the launcher binds the socket itself
+    to the loopback address and hands it over (``master_listen_fd``), so nothing outside this
+    machine can reach it. ``SO_REUSEADDR`` (what torch's own server sets) lets a port whose last
+    connections are still in TIME-WAIT -- the launch before this one -- be bound again at once.
+    Windows: its ``SO_REUSEADDR`` would let another program take a bound port, and torch's
+    ``master_listen_fd`` expects a POSIX descriptor, so there the store binds its port itself.
+    """
+    import torch.distributed as dist
+
+    kwargs = dict(is_master=True, wait_for_workers=False, timeout=_timedelta(timeout))
+    if os.name != "posix":
+        return _store_or_port_error(lambda: dist.TCPStore("127.0.0.1", port or 0, **kwargs),
+                                    port)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise _port_error(port, e) from None
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here on and closes it
+    return _store_or_port_error(
+        lambda: dist.TCPStore("127.0.0.1", bound, master_listen_fd=fd, **kwargs), port)
+
+
+def _store_or_port_error(make, port):
+    try:
+        return make()
+    except (RuntimeError, OSError) as e:  # torch's DistNetworkError is a RuntimeError
+        if port is None:
+            raise
+        raise _port_error(port, e) from None
+
+
+def _port_error(port, e: Exception) -> OSError:
+    why = getattr(e, "strerror", None) or str(e)
+    return OSError(f"master_port={port} is not free ({why}). Leave master_port=None and "
+                   "launch picks a free port.")
+
+
+def _job_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
+    """The notebook's environment (``GRADSYNC_DATA`` and every other variable of the user's),
+    without the launcher's own control variables, plus torchrun's."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    return dict(env, **_torchrun_env(rank, world_size, port, num_threads))
+
+
+def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
+    """The variables torchrun sets for a single-node job (see ``torchrun --help``)."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(num_threads),
+    }
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)

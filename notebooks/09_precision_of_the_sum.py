@@ -1,0 +1,899 @@
+# %% [markdown]
+# # 09 — The precision of the sum: averaging gradients in fp32, bf16 and fp16
+#
+# **Question: when a model trains in bf16 or fp16, may its gradients be averaged in that
+# precision too? What does the average lose, and does the loss grow with the number of GPUs?**
+#
+# Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32
+# that sum is exact to about 1e-7. Large jobs often send their gradients in 16 bits instead, for
+# half the bytes, and then the backend also *adds* them in 16 bits. One report, from FSDP users:
+# a model "trained well on 12x8 GPUs, but the training would become unstable on 48x8 GPUs", and
+# "changing `reduce_dtype` to `None` instead of `bf16` resolved the issue" (with their settings
+# None meant full precision; [pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
+#
+# **Short answer.** A sum in a 16-bit format rounds at every addition, and in a ring all-reduce
+# every rank adds its gradient to a running sum: the error grows about as √N. Measured below on
+# the course's CNN: bf16 is off by about 2e-3 of the mean gradient on 2 ranks and 2e-2 on 256,
+# fp16 by 3e-4 and 2e-3, fp32 by less than 1e-6. fp16 has 3 more bits than bf16 but a range
+# that ends at 65,504: a sum of loss-scaled fp16 gradients overflows, dividing by N first loses
+# the small ones at small scales, and FSDP's split (about √N before the sum, the rest after)
+# avoids both here. In a short training run, the loss does not notice at 64 or 256 ranks; the
+# parameters do. Keep the *sum* in float32 where you can: `torch.autocast` alone does (its
+# gradients are float32), FSDP2 does with `reduce_dtype=torch.float32`; DDP's
+# `bf16_compress_hook` and `fp16_compress_hook` do not. With fp16's `GradScaler`, unscale
+# before clipping: the other order runs without a message and does not train. And PowerSGD, a
+# compression hook, is not an average at all.
+
+# %%
+import os
+
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: shorter runs, same checks
+WORLD_SIZE = 2  # the real ranks; the larger numbers of ranks below are emulated
+
+SEED = 1234
+import copy
+import math
+from functools import partial
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync_tutorial as gst
+
+DEVICE = gst.local_device()  # this process's emulations run here: a GPU if there is one
+FORMATS = (torch.float32, torch.bfloat16, torch.float16)
+NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
+        torch.float16: "fp16"}
+
+# %% [markdown]
+# ## Three formats, and what a sum does to them
+#
+# A float is a sign, an exponent and a fraction. bf16 keeps fp32's 8 exponent bits, so the same
+# range, but 8 bits of precision instead of 24; fp16 has 11 bits of precision and 5 exponent
+# bits: nothing above 65,504, and below 6e-5 (its smallest normal number) fewer and fewer bits,
+# down to 6e-8. `eps`, the gap between 1 and the next number, is the relative step of rounding:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+for dtype in FORMATS:
+    info = torch.finfo(dtype)
+    print(f"{NAME[dtype]}: eps = {info.eps:.2e} = 2^{math.log2(info.eps):.0f}, "
+          f"largest {info.max:.4g}, smallest normal {info.tiny:.2e}")
+assert torch.finfo(torch.bfloat16).eps == 2**-7 and torch.finfo(torch.float16).eps == 2**-10
+assert torch.finfo(torch.float16).max == 65504 and torch.finfo(torch.bfloat16).max > 3e38
+
+# %% [markdown]
+# The step is relative: it grows with the number. A running sum grows, so every new term is
+# rounded to the step of the sum so far. Add 1 to a bf16 sum 512 times: at 256 the step is 2,
+# 256 + 1 rounds back to 256 (a tie, rounded to the even neighbour), and the sum stops there.
+# `torch.sum` of the same bf16 tensor is right: a reduction kernel keeps a float32 accumulator
+# inside (on the CPU and on GPUs) and rounds once. A ring all-reduce cannot: each rank sends its
+# partial sum to the next in the tensor's own format, and the next rank rounds again.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+ones = torch.ones(512, device=DEVICE)
+running = {dtype: torch.zeros((), dtype=dtype, device=DEVICE) for dtype in FORMATS}
+for one in ones:
+    for dtype in FORMATS:
+        running[dtype] = running[dtype] + one.to(dtype)  # each addition rounded to dtype
+print("512 ones, added one by one:", {NAME[d]: s.item() for d, s in running.items()})
+print("torch.sum of 512 bf16 ones:", ones.bfloat16().sum().item())
+assert running[torch.bfloat16] == 256 and running[torch.float16] == running[torch.float32] == 512
+assert ones.bfloat16().sum() == 512
+
+# %% [markdown]
+# ## 1. One reduction, from 2 to 256 ranks
+#
+# Two real ranks cannot show an error that grows with N, and a laptop cannot start 256. But a
+# ring all-reduce in bf16 is arithmetic that one process can do, as notebook 02 emulated 8 GPUs.
+# First, the gradients: the course's CNN, one gradient per rank, each on its own 8 images, for
+# 256 ranks, computed in one call by `torch.func.vmap` (float32, as DDP computes them):
+
+# %%
+N_MAX, PER_RANK = 256, 8  # emulated ranks, images per rank
+torch.manual_seed(SEED)
+net = gst.model.Net().to(DEVICE).eval()  # eval: dropout off
+weights = {name: p.detach() for name, p in net.named_parameters()}
+images, labels = gst.data.load(train=True)
+pick = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED))
+pick = pick[:N_MAX * PER_RANK]
+x = images[pick].view(N_MAX, PER_RANK, 1, 28, 28).to(DEVICE)  # x[r]: rank r's 8 images
+y = labels[pick].view(N_MAX, PER_RANK).to(DEVICE)
+
+
+def loss_of(weights, x, y):  # one rank's mean loss, as a function of the weights
+    return F.nll_loss(functional_call(net, weights, (x,)), y)
+
+
+per_rank = vmap(grad(loss_of), in_dims=(None, 0, 0))(weights, x, y)  # {name: [ranks, ...]}
+grads = torch.cat([g.flatten(1) for g in per_rank.values()], dim=1)  # grads[r]: rank r's
+print(f"{grads.shape[0]} ranks x {grads.shape[1]:,} numbers; |gradient| from "
+      f"{grads.abs()[grads != 0].min():.1e} to {grads.abs().max():.2f}, "
+      f"median {grads.abs().median():.1e}")
+
+# %% [markdown]
+# Each row is the gradient that rank's `backward()` computes, checked on rank 5:
+
+# %%
+net.zero_grad()
+F.nll_loss(net(x[5]), y[5]).backward()
+rank_5 = torch.cat([p.grad.flatten() for p in net.parameters()])
+print(f"rank 5, vmap vs backward: max |difference| {(rank_5 - grads[5]).abs().max():.1e}")
+assert torch.allclose(rank_5, grads[5], rtol=1e-4, atol=1e-7)
+
+
+# %% [markdown]
+# The emulated all-reduce. A ring cuts the tensor into N chunks; each chunk travels once around
+# the ring, and each rank adds its own piece to the partial sum it receives before passing it
+# on. So every number of the result is a running sum over the ranks, started at some rank, and
+# rounded to the tensor's format at every hop. `ring_sum` adds the ranks in order 0, 1, 2...:
+
+# %%
+def ring_sum(grads, dtype):
+    """The sum of grads[0], grads[1], ... as a ring computes it: each addition rounded to dtype."""
+    total = grads[0].to(dtype)
+    for g in grads[1:]:
+        total = total + g.to(dtype)  # one hop: the partial sum plus this rank's gradient
+    return total
+
+
+# %% [markdown]
+# Is that what a real all-reduce does? Checked against gloo on 2 and 4 real ranks, each with
+# its own row of `grads`, in bf16 and fp16. On 2 ranks there is one addition, a + b, so the
+# results must be equal bit for bit. On 4 ranks the order of the additions is the ring's: each
+# number of the real result must be one of the ring's running sums (started at any rank, in
+# either direction), and its error against the exact (float64) sum must be about the
+# emulation's:
+
+# %%
+def real_all_reduce(rank, world_size, grads, dtype):
+    t = grads[rank].to(gst.local_device(), dtype)  # this rank's gradient, in dtype
+    dist.all_reduce(t)  # the sum over the ranks, computed by the backend in dtype
+    return {"sum": t.cpu(), "backend": dist.get_backend()}
+
+
+def relative_error(got, exact):  # |got - exact| / |exact|, over all the numbers
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def ring_orders(grads, dtype):  # the running sums a ring may compute, one per start and direction
+    n = len(grads)
+    starts = [grads.roll(-s, dims=0) for s in range(n)]
+    return torch.stack([ring_sum(g, dtype) for g in starts + [s.flip(0) for s in starts]])
+
+
+cpu_grads = grads.cpu()
+real = {(n, dtype): gst.launch(real_all_reduce, n, args=(cpu_grads[:n], dtype))[0]
+        for n in (4, 2) for dtype in FORMATS[1:]}
+
+# %%
+for (n, dtype), out in sorted(real.items(), key=lambda item: item[0][0]):
+    exact = cpu_grads[:n].double().sum(0)
+    emulated = ring_sum(cpu_grads[:n], dtype)
+    one_of_the_ring = (ring_orders(cpu_grads[:n], dtype) == out["sum"]).any(0).float().mean()
+    e_real, e_emulated = relative_error(out["sum"], exact), relative_error(emulated, exact)
+    print(f"{n} ranks, {NAME[dtype]} ({out['backend']}): error of the real sum {e_real:.3e}, "
+          f"of the emulation {e_emulated:.3e}; equal to the emulation "
+          f"{(out['sum'] == emulated).float().mean():.1%}, to one of the ring's sums "
+          f"{one_of_the_ring:.1%}")
+    if n == 2:
+        assert torch.equal(out["sum"], emulated)
+    elif out["backend"] == "gloo":  # another backend may add in another order (a tree...)
+        assert one_of_the_ring == 1.0 and 0.8 < e_real / e_emulated < 1.25
+    else:
+        assert e_real < 1.5 * e_emulated
+
+
+# %% [markdown]
+# So the emulation is gloo's arithmetic. On 4 ranks only part of the numbers equal `ring_sum`'s:
+# gloo starts each chunk's running sum at another rank, and a rounded sum depends on the order;
+# the size of the error does not. NCCL, on GPUs, picks among several algorithms (ring,
+# tree...), in its maintainer's words: "NCCL will move from one combination to another
+# depending on the size [...] So there is no easy rule to determine which algorithm/protocol
+# is used"
+# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the
+# worst case of these, and the FSDP maintainers met the same thing: a bf16 all-reduce and a bf16
+# reduce-scatter disagree, "not an issue with world size 2 but starts being an issue at world
+# size 4" ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)).
+#
+# **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU (the exact sum,
+# rounded to the nearest 16-bit number), so `ring_sum` gives the same bits on both: checked
+# here on this machine's device. What differs on a GPU is upstream: the gradients themselves
+# (other kernels, other orders of the float32 sums inside them, and TF32 convolutions where the
+# GPU has them: `torch.backends.cudnn.allow_tf32` is on by default), and which algorithm NCCL
+# picks. So the figures below move a little on a GPU; the checks allow for it.
+
+# %%
+on_device = ring_sum(grads[:64], torch.bfloat16).cpu()
+on_cpu = ring_sum(cpu_grads[:64], torch.bfloat16)
+print(f"ring_sum of 64 ranks in bf16, on this device ({DEVICE}) and on the CPU, equal bit for bit: "
+      f"{torch.equal(on_device, on_cpu)}; torch.backends.cudnn.allow_tf32: "
+      f"{torch.backends.cudnn.allow_tf32}")
+assert torch.equal(on_device, on_cpu)
+
+# %% [markdown]
+# Now the emulation from 2 to 256 ranks, against the exact mean (float64), in each format. Two
+# more lines show where the error comes from: a tree (pairs, then pairs of pairs: each number
+# meets log2(N) additions instead of N−1, of partial sums of similar sizes), and bf16 sent but
+# summed in float32 (the only rounding left is each rank's gradient rounded to bf16):
+
+# %%
+def tree_sum(grads, dtype):  # pairs, then pairs of pairs (N a power of two)
+    parts = list(grads.to(dtype))
+    while len(parts) > 1:
+        parts = [a + b for a, b in zip(parts[0::2], parts[1::2], strict=True)]
+    return parts[0]
+
+
+NS = [2**k for k in range(1, 9)]  # 2 ... 256 ranks
+errors = {}
+for n in NS:
+    exact = grads[:n].double().mean(0)
+    for dtype in FORMATS:
+        errors[NAME[dtype], n] = relative_error(ring_sum(grads[:n], dtype) / n, exact)
+    errors["bf16, tree", n] = relative_error(tree_sum(grads[:n], torch.bfloat16) / n, exact)
+    errors["bf16 sent, fp32 sum", n] = relative_error(
+        ring_sum(grads[:n].bfloat16().float(), torch.float32) / n, exact)
+for label in dict.fromkeys(k for k, _ in errors):
+    print(f"{label:>20}: " + "  ".join(f"{errors[label, n]:.1e}" for n in NS))
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+styles = {"fp32": "o-", "bf16": "o-", "fp16": "o-", "bf16, tree": "s:",
+          "bf16 sent, fp32 sum": "^--"}
+for label, style in styles.items():
+    ax.loglog(NS, [errors[label, n] for n in NS], style, label=label)
+ax.loglog(NS, [errors["bf16", 2] * math.sqrt(n / 2) for n in NS], color="grey", lw=0.8,
+          label="∝ √N")
+ax.set(xlabel="ranks N", ylabel="|error| / |mean gradient|",
+       title="One all-reduce of the CNN's gradients, emulated (ring, then / N)")
+ax.set_xscale("log", base=2)
+ax.legend(fontsize=8)
+plt.show()
+
+
+# %%
+def slope(label):  # the exponent p of error ∝ N^p, fitted from 2 to 256 ranks
+    return math.log(errors[label, NS[-1]] / errors[label, NS[0]]) / math.log(NS[-1] / NS[0])
+
+
+print(f"error ∝ N^p: bf16 p = {slope('bf16'):.2f}, fp16 p = {slope('fp16'):.2f}, "
+      f"fp32 p = {slope('fp32'):.2f}, bf16 tree p = {slope('bf16, tree'):.2f}")
+print("bf16 / fp16 error: " + ", ".join(f"{errors['bf16', n] / errors['fp16', n]:.1f}"
+                                        for n in NS))
+assert all(errors["fp32", n] < 1e-6 for n in NS)
+assert 0.3 < slope("bf16") < 0.7 and 0.3 < slope("fp16") < 0.7  # about √N
+assert all(4 < errors["bf16", n] / errors["fp16", n] < 16 for n in NS)  # 3 bits: 8x
+assert errors["bf16, tree", 256] < 2 * errors["bf16, tree", 2]  # a tree: no growth
+assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # it even falls
+
+# %% [markdown]
+# How to read it. Rounding a gradient to bf16 moves each of its numbers by at most 2^-9 of
+# itself (the dashed line's first point). Those roundings are independent from rank to rank, so
+# in a float32 sum they average out: the dashed line falls as N grows. The ring's own roundings
+# do not: its k-th addition rounds at the scale of a partial sum of k gradients, which grows
+# with k, and N − 1 of them pile up, about as √N relative to the mean (p between 0.4 and 0.5
+# above). A tree only adds partial sums of equal sizes, log2 N deep, and stays flat. fp16 is 8
+# to 11 times more precise than bf16 at every N: its 3 more bits. So yes, the error of a ring
+# in bf16 grows with N, from 2e-3 to 2e-2 of the mean gradient between 2 and 256 ranks; fp32's
+# grows the same way and stays below 1e-6. Megatron-LM's developers state the same law: "A
+# ring reduce-scatter rounds the partial sum at every one of its N-1 hops, so BF16 gradient
+# error grows as √N with the axis size"
+# ([NVIDIA/Megatron-LM#6199](https://github.com/NVIDIA/Megatron-LM/issues/6199)).
+#
+# ## Divide before the sum, or after? fp16's range
+#
+# In bf16, dividing each gradient by N before the sum (as DDP and its hooks do, notebook 05) or
+# the sum by N after changes nothing here: N is a power of two and bf16 has fp32's range, so
+# both divisions are exact. fp16's range is the problem. fp16 training multiplies the loss by a
+# *scale* so that small gradients do not vanish in backward (`torch.amp.GradScaler`, which
+# starts at 2^16 and halves the scale whenever a gradient overflows), and DDP reduces those
+# scaled gradients. Summing first, the sum of 256 ranks is 256 times their mean and overflows
+# 65,504 long before the mean would; dividing each gradient by 256 first pushes the small ones
+# into fp16's subnormal numbers, which have fewer bits, or to 0. FSDP's rule for fp16 splits
+# the division, about √N before the sum and the rest after; its code says why: "To avoid
+# overflow/underflow, we divide by ~sqrt(N) before/after the reduction" (torch's
+# `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`; apex's DDP had a
+# `gradient_predivide_factor` argument, [apex.parallel](https://nvidia.github.io/apex/parallel)).
+#
+# The three orders on 256 ranks, with the course's gradients times scales from 2^-8 to 2^18:
+# how many numbers overflow, and the error on the smallest tenth of the mean gradient's numbers
+# (those that underflow first):
+
+# %%
+def predivide_factor(n):  # a power of two near √N, at least √N: FSDP's split for fp16
+    factor = 1
+    while factor * factor < n:
+        factor *= 2
+    return factor
+
+
+def average(grads, dtype, before):  # cast, divide by `before`, ring-sum, divide by N / before
+    return ring_sum(grads.to(dtype) / before, dtype) / (len(grads) / before)
+
+
+exact = grads.double().mean(0)  # all 256 ranks
+nonzero = exact.abs()[exact != 0]
+small = (exact != 0) & (exact.abs() <= nonzero.quantile(0.1))  # the smallest tenth
+ORDERS = {"sum, then / 256": 1, "/ 256, then sum (DDP's hooks)": N_MAX,
+          f"/ {predivide_factor(N_MAX)}, sum, / {N_MAX // predivide_factor(N_MAX)} (FSDP)":
+          predivide_factor(N_MAX)}
+SCALES = [2.0**k for k in range(-8, 20, 2)]
+overflowed, small_error = {}, {}
+for label, before in ORDERS.items():
+    for scale in SCALES:
+        got = average(grads * scale, torch.float16, before).double() / scale
+        overflowed[label, scale] = (~got.isfinite()).sum().item()
+        small_error[label, scale] = relative_error(got[small], exact[small])
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
+for label in ORDERS:
+    left.plot(SCALES, [overflowed[label, s] for s in SCALES], "o-", label=label)
+    right.plot(SCALES, [small_error[label, s] for s in SCALES], "o-", label=label)
+left.set_yscale("symlog", linthresh=1)  # 0, then 1, 10, 100...
+right.set_yscale("log")
+SCALE = torch.amp.GradScaler(DEVICE.type).get_scale()  # GradScaler's initial scale
+for ax in (left, right):
+    ax.set_xscale("log", base=2)
+    ax.axvline(SCALE, color="grey", lw=0.8, ls="--", label="GradScaler's initial scale")
+left.set(xlabel="loss scale", ylabel="numbers that overflowed", title="Too large: inf")
+right.set(xlabel="loss scale", ylabel="error, smallest tenth", title="Too small: lost bits")
+left.legend(fontsize=8)
+plt.show()
+
+
+# %%
+def largest_safe(label):  # the largest scale at which nothing overflowed
+    return max(s for s in SCALES if overflowed[label, s] == 0)
+
+
+first, divide_first, split = ORDERS
+for label in ORDERS:
+    print(f"{label:>30}: nothing overflows up to a scale of 2^{math.log2(largest_safe(label)):.0f}"
+          f"; error of the smallest tenth at 2^-4: {small_error[label, 2**-4]:.2f}, "
+          f"at GradScaler's 2^16: {overflowed[label, SCALE]:,} numbers overflowed")
+same = [torch.equal(average(grads, torch.bfloat16, b), average(grads, torch.bfloat16, 1))
+        for b in ORDERS.values()]
+print(f"bf16, the three orders bit for bit equal: {all(same)}")
+
+# %%
+assert SCALE == 2**16 and torch.amp.GradScaler(DEVICE.type).get_backoff_factor() == 0.5
+assert overflowed[first, SCALE] > 0 and overflowed[split, SCALE] == 0
+assert largest_safe(split) == largest_safe(divide_first) >= 8 * largest_safe(first)
+assert small_error[divide_first, 2**-4] > 2 * small_error[split, 2**-4]
+assert small_error[split, 2**-4] < 1.2 * small_error[first, 2**-4]
+assert all(same)
+
+# %% [markdown]
+# How to read it. Summing first overflows at a scale 16 times (√256) lower than the others,
+# already at GradScaler's starting scale, and GradScaler would then halve its scale until the
+# sum fits, losing those bits in backward instead. Dividing by 256 first overflows no earlier
+# than the cast of each gradient to fp16 itself (the same limit for the split), but at small
+# scales it loses the small gradients. The split has the good end of each: the top of dividing
+# first, the bottom of summing first. bf16 needs none of this, and FSDP2 divides before the sum
+# only for fp16: "For fp32/bf16, we do not need to worry about overflow/underflow" (the same
+# file).
+#
+# ## 2. What training does with it
+#
+# One reduction is off by 2e-2 at most. Does a training run notice? A short run of a small MLP
+# on Fashion-MNIST, the course's global batch of 256 shared by 64 and then 256 emulated ranks (4
+# images, then 1, per rank), with SGD. Every step: each rank's float32 gradient (vmap, as
+# above), then the average as DDP's hooks compute it: cast, divide by N, ring sum (float64 is
+# the exact reference, the same for any N). Only the format of the sum differs between runs:
+
+# %%
+STEPS = 20 if SMOKE_TEST else 60
+LR, MOMENTUM, GLOBAL_BATCH = 0.1, 0.5, 256
+flat_images = images.flatten(1)
+order = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED))
+
+
+def emulated_training(n_ranks, dtype, reference=None, steps=STEPS):
+    torch.manual_seed(SEED)
+    mlp = nn.Sequential(nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10)).to(DEVICE)
+    w = {name: p.detach().clone() for name, p in mlp.named_parameters()}
+    start, sizes = torch.cat([v.flatten() for v in w.values()]), [v.numel() for v in w.values()]
+    momentum = torch.zeros_like(start)
+    loss_fn = lambda w, x, y: F.cross_entropy(functional_call(mlp, w, (x,)), y)
+    per_rank = vmap(grad_and_value(loss_fn), in_dims=(None, 0, 0))
+    losses, path = [], []  # path: the parameters, or their distance from the reference's
+    for step in range(steps):
+        idx = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        xs = flat_images[idx].view(n_ranks, -1, 784).to(DEVICE)  # xs[r]: rank r's images
+        g, loss = per_rank(w, xs, labels[idx].view(n_ranks, -1).to(DEVICE))
+        g = torch.cat([v.flatten(1) for v in g.values()], dim=1)  # [ranks, numbers]
+        if dtype == torch.float64:
+            mean = g.double().mean(0).float()  # the exact mean, rounded once
+        else:
+            mean = ring_sum(g.to(dtype) / n_ranks, dtype).float()  # DDP's hooks, emulated
+        momentum = MOMENTUM * momentum + mean  # SGD with momentum, on the flat parameters
+        flat = torch.cat([v.flatten() for v in w.values()]) - LR * momentum
+        pieces = flat.split(sizes)
+        w = {name: piece.view_as(v) for (name, v), piece in zip(w.items(), pieces, strict=True)}
+        losses.append(loss.mean().item())  # equal shares: the mean of the ranks' losses
+        path.append(flat if reference is None else (flat - reference[step]).norm().item())
+    return {"losses": losses, "start": start, "end": flat, "path": path}
+
+
+reference = emulated_training(64, torch.float64)  # the exact mean: the same for any N
+runs = {("fp64", 64): reference}
+for n in (64, 256):
+    for dtype in FORMATS:
+        runs[NAME[dtype], n] = emulated_training(n, dtype, reference["path"])
+
+# %% [markdown]
+# The loss of each run, and how far its parameters are from the exact run's at every step, as a
+# fraction of how far training moved them (|θ − θ_exact| / |θ_exact − θ_start|, at the end):
+
+# %%
+travelled = (reference["end"] - reference["start"]).norm().item()
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+others = {f"{label}, {n} ranks": run for (label, n), run in runs.items() if label != "fp64"}
+gst.plots.plot_loss_curves({label: run["losses"] for label, run in others.items()},
+                           baseline={"exact mean (fp64)": reference["losses"]}, ax=left,
+                           title=f"{STEPS} steps of SGD: the loss")
+for i, (label, run) in enumerate(others.items()):
+    right.semilogy([d / travelled for d in run["path"]], color=f"C{i}", label=label)
+right.set(xlabel="step", ylabel="|θ − θ_exact| / distance travelled",
+          title="The parameters: distance from the exact run")
+right.grid(True, alpha=0.3)
+right.legend(fontsize=8)
+plt.show()
+
+# %%
+distance, final = {}, {}
+for (label, n), run in runs.items():
+    distance[label, n] = ((run["end"] - reference["end"]).norm() / travelled).item()
+    final[label, n] = sum(run["losses"][-10:]) / 10
+    print(f"{label}, {n:3} ranks: parameters {distance[label, n]:.1e} from the exact run's; "
+          f"mean loss of the last 10 steps {final[label, n]:.4f}")
+
+# %%
+assert all(abs(final[k] - final["fp64", 64]) < 0.01 for k in final)  # the loss: no difference
+assert all(distance["fp32", n] < 1e-5 for n in (64, 256))
+assert all(distance[k, n] > 100 * distance["fp32", n] for k in ("bf16", "fp16") for n in (64, 256))
+assert distance["bf16", 256] > 1.3 * distance["bf16", 64]  # grows with N, as one reduction does
+assert distance["fp16", 256] < distance["bf16", 256]
+
+# %% [markdown]
+# The loss curves coincide. The distances grow step after step: each step's rounding moves the
+# parameters a little, and every later step starts from there. So at this size the 16-bit sums
+# change where training goes (bf16 by percents of the whole way, more at 256 ranks than at 64;
+# fp16 less; fp32 by less than 1e-5), but not how well it trains. That is not a licence:
+# pytorch#106395's model needed 384 GPUs and long runs to become unstable, and the sum is only
+# one place where a 16-bit format enters. In
+# [torchtune#2254](https://github.com/meta-pytorch/torchtune/issues/2254), "Very bad convergence
+# with bf16", setting "FSDP's `reduce_dtype=fp32`" "did not seem to help much": that run was
+# "end-to-end bf16", its optimizer states included. The reduction is the cheap part to keep in
+# float32.
+#
+# ## 3. The knobs, each on this CPU
+#
+# ### DDP: compression hooks, a bf16 model, autocast
+#
+# One backward through DDP on 2 ranks, with a small MLP, against the exact mean of the gradients
+# each rank computes in the same way (float64 sum). DDP's own reduction is run as its hook
+# `allreduce_hook` ("DDP results is expected to be same as the case where no hook was
+# registered", says its docstring), so that every case's `dist.all_reduce` is counted, with the
+# format of the tensor it carried:
+
+# %%
+def mlp():
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def rank_batch(rank, world_size, device, dtype=torch.float32, size=64):
+    images, labels = gst.data.load(train=True)
+    idx = torch.arange(rank, size * world_size, world_size)  # every rank its own 64 images
+    return images[idx].to(device, dtype), labels[idx].to(device)
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+
+def ddp_backward(rank, world_size, hook=default_hooks.allreduce_hook, model_dtype=torch.float32,
+                 autocast=False):
+    device = gst.local_device()
+    model = mlp().to(device, model_dtype)
+    x, y = rank_batch(rank, world_size, device, model_dtype)
+
+    def backward(m):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(m(x), y)
+        loss.backward()
+
+    own = copy.deepcopy(model)
+    backward(own)  # this rank's own gradient, computed as DDP computes it
+    exact = flat_grads(own)
+    dist.all_reduce(exact)  # float64: the exact sum over the ranks
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp.register_comm_hook(None, hook)
+    with gst.detect.count_collectives() as calls:
+        backward(ddp)
+    carried = sorted({NAME[args[0].dtype] for args, _ in calls.arguments["all_reduce"]})
+    out = {"error": relative_error(flat_grads(model), exact / world_size), "carried": carried,
+           "grad": NAME[model[1].weight.grad.dtype]}
+    del ddp  # before the process group goes (notebook 03)
+    return out
+
+
+cases = {
+    "fp32 model, DDP's reduction": {},
+    "fp32 model, bf16_compress_hook": {"hook": default_hooks.bf16_compress_hook},
+    "fp32 model, fp16_compress_hook": {"hook": default_hooks.fp16_compress_hook},
+    "bf16 model (.to(bfloat16))": {"model_dtype": torch.bfloat16},
+    "fp32 model, autocast(bfloat16)": {"autocast": True},
+}
+ddp_runs = {label: gst.launch(partial(ddp_backward, **kwargs), WORLD_SIZE)[0]
+            for label, kwargs in cases.items()}
+
+# %%
+for label, out in ddp_runs.items():
+    print(f"{label:>31}: all_reduce carried {', '.join(out['carried'])}, .grad is "
+          f"{out['grad']}; error against the exact mean {out['error']:.1e}")
+print("bf16_compress_hook's docstring:",
+      default_hooks.bf16_compress_hook.__doc__.strip().splitlines()[0])
+
+# %%
+fp32_ddp, bf16_hook, fp16_hook, bf16_model, autocast_ddp = ddp_runs.values()
+assert fp32_ddp["carried"] == autocast_ddp["carried"] == ["fp32"]  # autocast: fp32 gradients
+assert bf16_hook["carried"] == bf16_model["carried"] == ["bf16"]
+assert fp16_hook["carried"] == ["fp16"]
+assert fp32_ddp["error"] < 1e-6 and autocast_ddp["error"] < 1e-6
+assert 1e-4 < bf16_hook["error"] < 1e-2 and 1e-4 < bf16_model["error"] < 1e-2
+assert fp16_hook["error"] < bf16_hook["error"] / 4
+assert "NCCL" in default_hooks.bf16_compress_hook.__doc__
+
+# %% [markdown]
+# How to read it:
+#
+# * **`torch.autocast` alone keeps the reduction in float32.** Autocast runs the forward's
+#   matrix products in bf16, but the parameters stay float32, so their gradients do, and DDP
+#   reduces float32 buckets. This is the usual mixed-precision setup, and the safe one.
+# * **The compression hooks** cast each bucket to bf16 or fp16, divide it by N and all-reduce
+#   it in that format: half the bytes, and the error of section 1 (here on 2 ranks). The bf16
+#   hook works on gloo, although its docstring (printed above) warns that
+#   `it requires NCCL version later than 2.9.6`.
+# * **A model converted to bf16** has bf16 gradients, and DDP reduces them in bf16, hook or not.
+#
+# Megatron-LM makes the same choice a switch: `grad_reduce_in_fp32`, "If true, reduce grads in
+# fp32", off by default
+# ([DistributedDataParallelConfig](https://docs.nvidia.com/megatron-core/developer-guide/latest/apidocs/core/core.distributed.distributed_data_parallel_config.html)).
+#
+# ### FSDP2: `MixedPrecisionPolicy(param_dtype, reduce_dtype)`
+#
+# FSDP2 (notebook 08, [08_sharded_gradients.ipynb](08_sharded_gradients.ipynb), shows how it
+# reduce-scatters the gradients) runs forward and backward in `param_dtype` and reduces in
+# `reduce_dtype`. What `reduce_dtype=None` means, in torch's own docstring:
+
+# %%
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # torch >= 2.6
+except ImportError:
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+doc = " ".join(MixedPrecisionPolicy.__doc__.split())
+print(doc[doc.index("reduce_dtype ("):doc.index("(Default: ``None``) output_dtype")])
+assert ("If this is ``None`` but ``param_dtype`` is not ``None``, then the reduction uses the "
+        "compute dtype") in doc
+
+
+# %% [markdown]
+# Measured, on 2 ranks: the model in bf16 for compute (`param_dtype=torch.bfloat16`), and each of
+# the three `reduce_dtype`s, against the exact mean of the bf16 gradients each rank computes:
+
+# %%
+def fsdp_backward(rank, world_size, policy):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, (world_size,))
+    model = mlp().to(device)
+    x, y = rank_batch(rank, world_size, device)
+    own = copy.deepcopy(model).to(policy.param_dtype or torch.float32)
+    F.cross_entropy(own(x.to(policy.param_dtype or torch.float32)).float(), y).backward()
+    exact = flat_grads(own)  # this rank's gradient, computed in param_dtype as FSDP does
+    dist.all_reduce(exact)
+    for layer in (model[1], model[3], model):  # each Linear its own FSDP unit, then the root
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    F.cross_entropy(model(x).float(), y).backward()
+    got = torch.cat([p.grad.full_tensor().double().flatten() for p in model.parameters()])
+    return {"error": relative_error(got, exact / world_size), "grad": got}
+
+
+policies = {
+    "reduce_dtype=None": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    "reduce_dtype=bfloat16": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                  reduce_dtype=torch.bfloat16),
+    "reduce_dtype=float32": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32),
+}
+fsdp_runs = {label: gst.launch(fsdp_backward, WORLD_SIZE, (policy,))[0]
+             for label, policy in policies.items()}
+
+# %%
+for label, out in fsdp_runs.items():
+    print(f"param_dtype=bfloat16, {label:>21}: error against the exact mean {out['error']:.1e}")
+none, bf16_reduce, fp32_reduce = fsdp_runs.values()
+print("reduce_dtype=None and reduce_dtype=bfloat16 give the same gradients, bit for bit:",
+      torch.equal(none["grad"], bf16_reduce["grad"]))
+assert torch.equal(none["grad"], bf16_reduce["grad"])
+assert fp32_reduce["error"] < 1e-6 < 1e-4 < none["error"] < 1e-2
+
+# %% [markdown]
+# So with a bf16 `param_dtype`, leaving `reduce_dtype` out reduces in bf16;
+# `reduce_dtype=torch.float32` reduces the same bf16 gradients exactly (each rank's gradient is
+# cast up before the reduce-scatter, and the sum is float32). It sends twice the bytes of bf16,
+# the price pytorch#106395 named: "the model now runs slower since it's sending around
+# full-precision gradients".
+#
+# ### fp16 and `GradScaler` with DDP: unscale before clipping
+#
+# With fp16 autocast, `GradScaler` multiplies the loss by its scale (2^16 at first) so that
+# small gradients survive backward in fp16, and divides the gradients by it before the step.
+# DDP averages the *scaled* gradients during `backward()`; the scaler does not mind. Gradient
+# clipping does: `clip_grad_norm_` must see the true gradients, so call `scaler.unscale_(optimizer)`
+# first. In the wrong order it clips the scaled gradients to `max_norm`, and `scaler.step()` then
+# divides them by the scale once more. Twenty steps on 2 ranks, in both orders:
+
+# %%
+def fp16_training(rank, world_size, unscale_first, steps=20, max_norm=1.0):
+    device = gst.local_device()
+    model = DDP(mlp().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device.type)  # fp16 needs it; its scale starts at 2^16
+    x, y = rank_batch(rank, world_size, device)
+    norms, losses = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()  # DDP averages the gradients of scale x loss
+        if unscale_first:
+            scaler.unscale_(optimizer)  # the true gradients, before clipping
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        scaler.step(optimizer)  # unscales now if unscale_ was not called; skips on inf
+        scaler.update()
+        losses.append(loss.item())
+    del model
+    return {"norms": norms, "losses": losses, "scale": scaler.get_scale()}
+
+
+clipping = {"unscale_, then clip": gst.launch(fp16_training, WORLD_SIZE, (True,))[0],
+            "clip, then step (wrong)": gst.launch(fp16_training, WORLD_SIZE, (False,))[0]}
+
+# %%
+for label, run in clipping.items():
+    print(f"{label:>24}: clip_grad_norm_ saw a norm of {run['norms'][0]:.4g} at step 1; loss "
+          f"{run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}; scale {run['scale']:.0f}")
+right, wrong = clipping.values()
+ratio = wrong["norms"][0] / right["norms"][0]
+print(f"the wrong order's norm / the right one's = {ratio:.0f}: the scale")
+assert abs(ratio / right["scale"] - 1) < 0.01 and right["scale"] == wrong["scale"] == 2**16
+assert right["losses"][-1] < 0.8 * right["losses"][0]
+assert abs(wrong["losses"][-1] - wrong["losses"][0]) < 1e-3 * wrong["losses"][0]
+
+# %% [markdown]
+# The wrong order runs without a message and does not train: every step is clipped to a norm of
+# 1 in scaled units, then divided by 65,536. bf16 needs no scaler (its range is fp32's).
+#
+# ## 4. Compression is not averaging: PowerSGD
+#
+# DDP's other built-in hook, PowerSGD, sends a low-rank approximation of each gradient matrix
+# instead of the matrix: for a weight of m×n numbers, rank r sends (m + n)·r. What arrives is not
+# the mean gradient, and the hook knows it: with *error feedback* each rank keeps what the
+# approximation left out and adds it to the next step's gradient, so that over many steps the
+# sum of what arrived approaches the sum of the true means. Measured with the same batch and the
+# same weights at every step (no optimizer step), so the exact mean is one fixed vector: each
+# step's error, and the error of the running average of what arrived, with and without error
+# feedback (the first 2 steps are plain all-reduces: `start_powerSGD_iter=2`, the least torch
+# allows with error feedback):
+
+# %%
+def powersgd_steps(rank, world_size, steps, error_feedback, matrix_rank=1):
+    device = gst.local_device()
+    model = mlp().to(device)
+    x, y = rank_batch(rank, world_size, device)
+    own = copy.deepcopy(model)
+    F.cross_entropy(own(x), y).backward()
+    exact = flat_grads(own)
+    dist.all_reduce(exact)
+    exact /= world_size
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=matrix_rank,
+                                   start_powerSGD_iter=2, min_compression_rate=1,
+                                   use_error_feedback=error_feedback)
+    ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    total, step_error, running_error, sent = 0, [], [], []
+    for step in range(steps):
+        ddp.zero_grad()
+        with gst.detect.count_collectives() as calls:
+            F.cross_entropy(ddp(x), y).backward()
+        got = flat_grads(model)
+        total = total + got
+        step_error.append(relative_error(got, exact))
+        running_error.append(relative_error(total / (step + 1), exact))
+        sent.append(sum(args[0].numel() for args, _ in calls.arguments["all_reduce"]))
+    del ddp
+    return {"step": step_error, "running": running_error, "sent": sent}
+
+
+PSGD_STEPS = 30 if SMOKE_TEST else 60
+psgd = {"error feedback": gst.launch(powersgd_steps, WORLD_SIZE, (PSGD_STEPS, True))[0],
+        "no error feedback": gst.launch(powersgd_steps, WORLD_SIZE, (PSGD_STEPS, False))[0]}
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+for i, (label, run) in enumerate(psgd.items()):
+    ax.plot(run["step"], f"C{i}:", label=f"{label}: this step's gradient")
+    ax.plot(run["running"], f"C{i}-", label=f"{label}: average of the steps so far")
+ax.set(xlabel="step", ylabel="|error| / |mean gradient|", ylim=(0, None),
+       title="PowerSGD, rank 1, 2 ranks: the same gradients every step")
+ax.legend(fontsize=8)
+plt.show()
+
+# %%
+ef, no_ef = psgd.values()
+params = sum(p.numel() for p in mlp().parameters())
+fewer = ef["sent"][0] / ef["sent"][-1]
+print(f"numbers all-reduced per step: {ef['sent'][0]:,} in the first 2 steps (all {params:,} "
+      f"gradients), {ef['sent'][-1]:,} from step 3 on ({fewer:.0f}x fewer)")
+for label, run in psgd.items():
+    print(f"{label:>17}: error of one step {min(run['step'][2:]):.2f} to "
+          f"{max(run['step'][2:]):.2f}; of the average after {PSGD_STEPS} steps "
+          f"{run['running'][-1]:.2f}")
+assert ef["sent"][0] == params and ef["sent"][-1] < params / 50
+assert ef["step"][0] < 1e-6 and min(ef["step"][2:] + no_ef["step"][2:]) > 0.3
+assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0.05
+
+# %% [markdown]
+# Each compressed step is off by about as much as the gradient itself (a rank-1 picture of a
+# 256×784 matrix), and by more with error feedback, which adds what earlier steps left out.
+# Error feedback makes the *average* over steps converge to the mean, slowly; without it the
+# average stays wrong. So a PowerSGD step is not an average of the ranks' gradients, and
+# nothing measured above for fp32, bf16 or fp16 applies to it: it is a different optimizer,
+# whose `matrix_approximation_rank` and `start_powerSGD_iter` are tuned for the model's
+# accuracy (its docstring's advice). What it buys is bytes: about 130 times fewer numbers here.
+# That pays only where moving gradients, not computing them, is what a step waits for, such as
+# machines joined by a slow network. Its docstring says it too: "a tensor is worth
+# compressing only if there can be sufficient saving in bandwidth". Nothing here measured that:
+# this CPU's "links" are its memory.
+
+# %% [markdown]
+# ## Copy this into your code
+#
+# Compute in low precision, reduce in float32: keep the parameters in float32 and run the
+# forward under `torch.autocast` (bf16, or fp16 with a `GradScaler`), so that DDP reduces
+# float32 gradients; unscale before clipping. The script `snippets/09_mixed_precision_ddp.py`,
+# run by the course's tests with `torchrun --standalone --nproc-per-node 2`, trains a step in
+# each format and checks, on every rank, that DDP reduced float32 and that clipping saw the true
+# mean gradient:
+#
+# <!-- snippets/09_mixed_precision_ddp.py -->
+# ```python
+# """Notebook 09, copy this into your code: compute in bf16 or fp16, average the gradients in fp32.
+#
+#     torchrun --standalone --nproc-per-node 2 snippets/09_mixed_precision_ddp.py
+# """
+#
+# import copy
+# import os
+#
+# import torch
+# import torch.distributed as dist
+# import torch.nn.functional as F
+# from torch import nn
+# from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+# from torch.nn.parallel import DistributedDataParallel as DDP
+#
+#
+# def init_distributed():
+#     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+#
+#     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     """
+#     local_rank = int(os.environ["LOCAL_RANK"])
+#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#         device = torch.device("cuda", local_rank)
+#         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+#         dist.init_process_group("nccl", device_id=device)  # barrier() too
+#         return device
+#     dist.init_process_group("gloo")
+#     return torch.device("cpu")
+#
+#
+# def train_step(model, optimizer, scaler, x, y, dtype, max_norm=1.0):
+#     with torch.autocast(x.device.type, dtype=dtype):   # forward in bf16/fp16, weights stay fp32
+#         loss = F.cross_entropy(model(x), y)
+#     scaler.scale(loss).backward()                      # DDP all-reduces fp32 gradients
+#     scaler.unscale_(optimizer)                         # first the true gradients...
+#     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ...then clip them
+#     scaler.step(optimizer)                             # skipped if a gradient is inf or nan
+#     scaler.update()
+#     optimizer.zero_grad(set_to_none=True)
+#     return norm
+#
+#
+# def check_one_step(dtype, device, x, y):
+#     torch.manual_seed(0)                               # the same initial weights on every rank
+#     net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
+#     model = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+#     reduced = []
+#
+#     def watch(state, bucket):                          # for the check: what DDP reduces
+#         reduced.append(bucket.buffer().dtype)
+#         return default_hooks.allreduce_hook(state, bucket)   # what DDP does without a hook
+#
+#     model.register_comm_hook(None, watch)
+#     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+#     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
+#     own = copy.deepcopy(net)                           # this rank's own gradient, without DDP
+#     with torch.autocast(device.type, dtype=dtype):
+#         F.cross_entropy(own(x), y).backward()
+#     mean = torch.cat([p.grad.flatten() for p in own.parameters()])
+#     dist.all_reduce(mean)
+#     norm = train_step(model, optimizer, scaler, x, y, dtype)
+#
+#     # Check: DDP reduced fp32, and clip_grad_norm_ saw the true mean gradient's norm.
+#     assert set(reduced) == {torch.float32}, reduced
+#     torch.testing.assert_close(norm, (mean / dist.get_world_size()).norm(), rtol=1e-3, atol=0)
+#     del model                                          # before the process group goes
+#
+#
+# def main():
+#     device = init_distributed()
+#     rank = dist.get_rank()
+#     g = torch.Generator().manual_seed(rank)            # every rank its own batch
+#     x, y = torch.randn(32, 20, generator=g), torch.randint(0, 3, (32,), generator=g)
+#     for dtype in (torch.bfloat16, torch.float16):
+#         check_one_step(dtype, device, x.to(device), y.to(device))
+#     print(f"rank {rank}: bf16 and fp16 autocast: DDP reduced fp32 gradients, "
+#           f"clipped after unscale_")
+#     dist.destroy_process_group()
+#
+#
+# if __name__ == "__main__":
+#     main()
+# ```
+#
+# With FSDP2 the same choice is `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+# reduce_dtype=torch.float32)`: leaving `reduce_dtype` out reduces in bf16. A DDP model
+# converted to bf16 (`model.to(torch.bfloat16)`) reduces in bf16: average it by hand, as in
+# the exercise.
+#
+# ## Exercise
+#
+# Write `average_gradients_in_fp32(model)` for a model trained entirely in bf16 (its weights
+# and its gradients are bf16): every rank must end with the mean of the ranks' gradients in
+# `p.grad`, still bf16, with the **sum in float32**. Copy the gradients into one float32 buffer
+# (`torch.cat([p.grad.float().flatten() ...])`), all-reduce it, divide, and copy the pieces back
+# into each `p.grad` (`copy_` rounds to bf16, once). This is what `reduce_dtype=torch.float32`
+# and Megatron's `grad_reduce_in_fp32` do.
+#
+# The check below runs it on 2 and 3 ranks, each with the course's CNN in bf16 and its own
+# gradients, reads the format of what your `all_reduce` carried and what it delivered, and
+# compares every rank's gradients with the exact mean rounded once to bf16. It prints
+# "✓ correct", or fails with what is wrong; until you write the function, it says "not
+# attempted yet". Stuck? `%load solutions/09_average_gradients_in_fp32.py` in a new cell.
+
+# %%
+def average_gradients_in_fp32(model):
+    # your code here: a float32 buffer, one dist.all_reduce, divide, copy back into p.grad
+    raise NotImplementedError("write average_gradients_in_fp32")
+
+
+# %%
+gst.exercises.check_average_gradients_in_fp32(average_gradients_in_fp32)

@@ -1,0 +1,78 @@
+"""Notebook 08, copy this into your code: FSDP2 (fully_shard), each rank holding 1/N of the
+parameters, gradients and optimizer state.
+
+    torchrun --standalone --nproc-per-node 2 snippets/08_fsdp2.py
+"""
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def init_distributed():
+    """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
+
+    With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
+        dist.init_process_group("nccl", device_id=device)  # barrier() too
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def main():
+    device = init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)                       # the same weights on every rank: FSDP2 does not
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)  # broadcast
+    whole = copy.deepcopy(model)               # for the check below: one process, every sample
+
+    mesh = init_device_mesh(device.type, (world_size,))  # "cuda" with nccl, "cpu" with gloo
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)      # its gradients are reduce-scattered once ready
+    fully_shard(model, mesh=mesh)              # the root: whatever is left
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # 1/N of the state
+    # Token-count losses (each rank's loss: its sum / the global count) need the sum, not the
+    # mean: model.set_gradient_divide_factor(1.0), and on gloo also
+    # model.set_force_sum_reduction_for_comms(True) (notebook 08 shows both).
+
+    g = torch.Generator().manual_seed(1)       # one global batch...
+    x, y = torch.randn(64, 20, generator=g).to(device), torch.randint(0, 3, (64,), generator=g)
+    y = y.to(device)
+    mine = slice(rank, None, world_size)       # ...a different shard on each rank
+    reference = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[mine]), y[mine]).backward()  # reduce-scattered: the mean, 1/N
+        norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)  # the global norm
+        optimizer.step()
+        reference.zero_grad()
+        F.cross_entropy(whole(x), y).backward()
+        whole_norm = nn.utils.clip_grad_norm_(whole.parameters(), max_norm=0.5)
+        reference.step()
+
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank calls it
+    # Check: 3 steps of FSDP2 on N ranks are 3 steps of one process on the whole batch.
+    torch.testing.assert_close(norm.full_tensor(), whole_norm)
+    for name, p in whole.state_dict().items():
+        torch.testing.assert_close(state[name], p)
+    print(f"rank {rank}: holds {sum(p.to_local().numel() for p in model.parameters())} of "
+          f"{sum(p.numel() for p in whole.parameters())} parameters; after 3 steps the model "
+          "equals one process's on the whole batch")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
