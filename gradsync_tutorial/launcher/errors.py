@@ -142,7 +142,8 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
 
 
 def timeout_error(world_size: int, finished: Iterable[int], timeout: float, startup: float,
-                  started: bool, report: str = "") -> LaunchTimeoutError:
+                  started: bool, report: str = "", early: float | None = None
+                  ) -> LaunchTimeoutError:
     """The error for a launch past its time: the ranks that had not finished, where each rank
     was (``report``, from :mod:`~gradsync_tutorial.launcher.hang_report`), and the usual cause.
 
@@ -164,6 +165,15 @@ def timeout_error(world_size: int, finished: Iterable[int], timeout: float, star
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
     where = f"\nWhere each rank was:\n{_indent(report)}" if report else ""
+    if early is not None:  # a rank that returned leaves another waiting: it can never finish
+        return LaunchTimeoutError(
+            f"launch stopped after {early:.1f} s, before its timeout ({timeout:g} s): "
+            f"{_ranks(unfinished)} had not finished{done}, and never will: "
+            f"{'it waits' if len(unfinished) == 1 else 'they wait'} in a collective that "
+            f"{_ranks(finished)} returned without calling. All ranks were stopped."
+            f"{where}\n{HANG_HINT}",
+            unfinished, report,
+        )
     return LaunchTimeoutError(
         f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
         f"All ranks were stopped.{where}\n{HANG_HINT}",
@@ -213,9 +223,31 @@ def rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedE
     return RankFailedError(message, by_rank, first.rank)
 
 
+# What to do about errors a learner meets when bringing code from elsewhere: (pattern found in
+# "ExcType: message", what to add). The first that matches is added.
+_HINTS = (
+    (r"restart (your|the) (runtime|kernel|session|python|interpreter)",
+     "\nIn gst.launch the runtime to restart is each rank's worker process, not this notebook's "
+     "kernel: gst.shutdown_workers() stops the workers kept for the next launch, and "
+     "gst.launch(..., reuse_workers=False) gives every launch fresh ones. (A library's state "
+     "set earlier in this same launch needs the code changed: create it once per rank.)"),
+    (r"^EOFError: EOF when reading a line",
+     "\nThe ranks have no standard input (under torchrun too, they share one terminal): "
+     "input() in a rank cannot be answered. Ask in the notebook before launching, and pass "
+     "the answer to the ranks with args=(value,)."),
+    (r"device_id parameter must be an accelerator",
+     "\ntorch refuses device_id=torch.device('cpu') under torchrun too: pass device_id only "
+     "with a GPU per rank (device_id=gst.local_device() when it is a CUDA device), or leave "
+     "it out."),
+)
+
+
 def _hint(failure: Failure) -> str:
     """What to do about a few errors a learner meets when bringing code from elsewhere."""
     text = f"{failure.exc_type}: {failure.message}"
+    for pattern, hint in _HINTS:
+        if re.search(pattern, text, re.IGNORECASE):
+            return hint
     if re.search(r"cuda|nccl|nvidia", text, re.IGNORECASE) and not gpu_count():
         return ("\nThis code expects a GPU (CUDA/NCCL) and this machine has none: put "
                 "tensors and models on gst.local_device() (cuda:LOCAL_RANK with a "

@@ -16,6 +16,8 @@ A rank busy in native code that holds Python's GIL cannot answer; the report say
 
 from __future__ import annotations
 
+import functools
+import linecache
 import os
 import sys
 import sysconfig
@@ -27,14 +29,30 @@ from .protocol import Frame, StackReport
 
 STACK_SECONDS = 1.0  # how long the launcher waits for the ranks' stacks at a timeout
 
-# Files that are not the rank's own code: Python's, installed packages' (torch), this package's.
-_NOT_OWN = tuple(
-    os.path.join(os.path.realpath(p), "")
-    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # the whole package
-)
+MAX_FRAMES = 40  # a report keeps the rank's innermost own frames, at most this many
 
 
+def _not_own_folders() -> tuple[str, ...]:
+    """Folders whose files are not the rank's own code: Python's, installed packages' (torch,
+    wherever it was installed from: a venv, a .pth file, PYTHONPATH), this package's."""
+    import importlib.util
+    import site
+
+    folders = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    folders |= set(getattr(site, "getsitepackages", list)())
+    folders |= {p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")}
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        folders.add(os.path.dirname(os.path.dirname(spec.origin)))
+    folders.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the package
+    return tuple(os.path.join(os.path.realpath(p), "") for p in folders if p)
+
+
+_NOT_OWN = _not_own_folders()
+_OWN_GROUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "own_group.py")
+
+
+@functools.lru_cache(maxsize=4096)
 def _own(filename: str) -> bool:
     if filename.startswith("<"):  # <frozen ...>, <string>
         return False
@@ -42,26 +60,66 @@ def _own(filename: str) -> bool:
 
 
 def stack_report(job_id: int, thread_id: int, collectives: int | None) -> StackReport:
-    """Worker side: where the thread ``thread_id`` (the one running ``fn``) is now."""
+    """Worker side: where the thread ``thread_id`` (the one running ``fn``) is now.
+
+    Linear in the stack's depth (a deep recursion is read as fast as it is walked), and it
+    reads source lines only for the frames it keeps.
+    """
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return StackReport(job_id, (), "", collectives)
-    frames = list(traceback.walk_stack(frame))[::-1]  # outermost first
-    summary = traceback.StackSummary.extract(((f, n) for f, n in frames), lookup_lines=True)
-    own_at = [i for i, fs in enumerate(summary) if _own(fs.filename)]
-    own = tuple(Frame(fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip())
-                for i, fs in enumerate(summary) if i in own_at)
-    waiting_in = ""
-    below = range(own_at[-1] + 1 if own_at else 0, len(frames))
-    for i in below:
-        f = frames[i][0]
+    stack = list(traceback.walk_stack(frame))  # (frame, line), innermost first
+    own_at = [i for i, (f, _) in enumerate(stack) if _own(f.f_code.co_filename)]
+    own = tuple(_frame(*stack[i]) for i in reversed(own_at[:MAX_FRAMES]))  # outermost first
+    below = stack[:own_at[0]] if own_at else stack  # what the rank's own code called
+    waiting_in, peers = _blocked_in([f for f, _ in reversed(below)])
+    return StackReport(job_id, own, waiting_in, collectives, peers)
+
+
+def _frame(f, lineno: int) -> Frame:
+    filename = f.f_code.co_filename
+    return Frame(filename, lineno or 0, f.f_code.co_name,
+                 linecache.getline(filename, lineno or 0, f.f_globals).strip())
+
+
+def _blocked_in(frames: list) -> tuple[str, tuple[int, ...] | None]:
+    """The outermost torch.distributed call among ``frames`` (outermost first), and its peers.
+
+    ``fn``'s own ``init_process_group`` runs through :mod:`.own_group`, which may wait in a
+    barrier or a store of its own: the rank is waiting in ``init_process_group`` then.
+    """
+    for f in frames:
+        name = f.f_code.co_name
+        if name == "init_process_group" and os.path.abspath(f.f_code.co_filename) == _OWN_GROUP:
+            return f"dist.init_process_group{_rendezvous(f.f_locals)}", None
         path = f.f_code.co_filename.replace(os.sep, "/")
-        if "torch/distributed/" in path and f.f_code.co_name not in ("wrapper", "<lambda>"):
-            waiting_in = f"dist.{f.f_code.co_name}"
-            if f.f_code.co_name == "init_process_group":
-                waiting_in += _rendezvous(f.f_locals)
-            break
-    return StackReport(job_id, own, waiting_in, collectives)
+        if "torch/distributed/" in path and name not in ("wrapper", "<lambda>"):
+            if name == "init_process_group":
+                return f"dist.init_process_group{_rendezvous(f.f_locals)}", None
+            return f"dist.{name}", _peers(name, f.f_locals)
+    return "", None
+
+
+def _peers(name: str, local_vars: dict) -> tuple[int, ...] | None:
+    """The ranks a torch.distributed call waits for: its group's, or its send/recv peer."""
+    try:
+        import torch.distributed as dist
+
+        if name in ("send", "isend", "recv", "irecv"):
+            peer = local_vars.get("dst" if "send" in name else "src")
+            return None if peer is None else (int(peer),)
+        group = local_vars.get("group")
+        if group is None or group is dist.GroupMember.WORLD:
+            return tuple(range(dist.get_world_size()))
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group torch no longer knows: say nothing
+        return None
+
+
+def failed_report(job_id: int, collectives: int | None, error: BaseException) -> StackReport:
+    """What a rank answers when its stack could not be read (the report itself raised)."""
+    return StackReport(job_id, (), "", collectives,
+                       error=f"{type(error).__name__}: {error}"[:500])
 
 
 def _rendezvous(local_vars: dict) -> str:
@@ -113,6 +171,10 @@ def describe(world_size: int, reports: dict[int, StackReport], finished: dict[in
                          "there")
             behind[rank] = None
             continue
+        if report.error:
+            lines.append(f"rank {rank}: its stack could not be read ({report.error})")
+            behind[rank] = None
+            continue
         where = f", at {_place(report.frames[-1], label)}" if report.frames else ""
         if report.waiting_in.startswith("dist.init_process_group"):
             lines.append(f"rank {rank} is waiting in {report.waiting_in}{where}")
@@ -127,6 +189,20 @@ def describe(world_size: int, reports: dict[int, StackReport], finished: dict[in
             lines.append(f"rank {rank} is at {place}, after {_collectives(report.collectives)}")
             behind[rank] = report.collectives
     return "\n".join(lines + _diagnosis(waiting, behind, init_waits))
+
+
+def waits_for_a_returned_rank(reports: dict[int, StackReport],
+                              finished: Iterable[int]) -> bool:
+    """Is a rank waiting in a collective (or a recv) that a rank which returned is part of?
+
+    Then it can never finish: the returned rank makes no more calls in this job. A rank that
+    returned after its part of that very collective has sent all it had to send, so the rank
+    still in it finishes at once; one found there again later is waiting for good.
+    """
+    finished = set(finished)
+    return any(report.waiting_in and not report.waiting_in.startswith("dist.init_process_group")
+               and report.peers is not None and finished & set(report.peers)
+               for report in reports.values())
 
 
 def _diagnosis(waiting: dict[int, tuple[str, int | None]], behind: dict[int, int | None],

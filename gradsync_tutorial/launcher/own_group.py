@@ -13,10 +13,14 @@ this module's :func:`init_process_group`:
 
 * the call's ``rank`` and ``world_size`` must match the launch, else a ``ValueError`` says
   what to change;
-* a call that asks for the group the launcher made (the same backend, or none) is a no-op:
-  the group is already there, as under torchrun, where ``env://`` finds everything ready;
-* a call for another backend replaces the launcher's group by one made with the call's own
-  arguments;
+* a call that asks for the group the launcher made (the same backend, or none, and no other
+  argument) is a no-op: the group is already there, as under torchrun, where ``env://`` finds
+  everything ready;
+* a call for another backend, or with arguments of its own (``timeout=``, ``device_id=``,
+  ``pg_options=``), replaces the launcher's group by one made with the call's own arguments, so
+  that they count as they do under torchrun: a shorter timeout applies, and
+  ``device_id=torch.device("cpu")`` fails as torch makes it fail there; arguments torch refuses
+  (``timeout=30``, a ``rank`` read from ``os.environ`` as a string) are refused in its words;
 * the rendezvous goes through the launcher's store, not ``MASTER_PORT`` (12355 in the
   tutorials, which two notebooks would fight over, and which nobody hosts here). An explicit
   ``init_method="tcp://..."``/``"file://..."`` or ``store=`` is the caller's own choice and is
@@ -63,6 +67,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     __tracebackhide__ = True
     import torch.distributed as dist
 
+    _check_types(timeout, rank, world_size)
     launched_rank, launched_size = _job["rank"], _job["world_size"]
     if world_size not in (-1, None) and world_size != launched_size:
         raise ValueError(
@@ -80,21 +85,56 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if init_method not in (None, "env://") or store is not None:
         # The caller's own rendezvous: used as given (a hang there is reported with its address).
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_default_group()
         original()(backend, init_method, timeout, world_size, rank, store, **kwargs)
         return
     if dist.is_initialized():
-        if _same_backend(backend, dist.get_backend()):
+        if _same_backend(backend, dist.get_backend()) and timeout is None and not any(
+                value is not None for key, value in kwargs.items() if key != "group_desc"):
             return  # the launcher's group already is the one asked for
-        # Another backend: replace the launcher's group, once every rank has finished joining it.
+        # Another backend, or arguments of its own (timeout=, device_id=, pg_options=): replace
+        # the launcher's group, once every rank has finished joining it, so that the call's
+        # arguments count as under torchrun (a shorter timeout applies, device_id=cpu fails).
         dist.barrier()
-        dist.destroy_process_group()
+        _destroy_default_group()
     store = dist.PrefixStore(
         f"gradsync/init/{next(_job['generation'])}",
         dist.TCPStore(_job["addr"], _job["port"], is_master=False, **_timeout(timeout)),
     )
     original()(backend, timeout=timeout, world_size=launched_size, rank=launched_rank,
                store=store, **kwargs)
+
+
+def _check_types(timeout, rank, world_size) -> None:
+    """Refuse what torch refuses, in torch's words, before touching the launcher's group."""
+    from datetime import timedelta
+
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"Expected timeout argument to be of type datetime.timedelta, got {timeout} (torch's "
+            f"words: torchrun refuses it too). Pass timeout=datetime.timedelta(seconds={timeout})."
+        )
+    for name, value, variable in (("rank", rank, "RANK"), ("world_size", world_size,
+                                                            "WORLD_SIZE")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RuntimeError(
+                f"`{name}` must be an integer. {value} (torch's words: torchrun refuses it "
+                f"too). It is {type(value).__name__} {value!r}"
+                + (": os.environ holds strings, so pass " f"{name}=int(os.environ['{variable}'])"
+                   if isinstance(value, str) else "")
+                + f", or the {name} fn receives."
+            )
+
+
+def _destroy_default_group() -> None:
+    """destroy_process_group(), with freeing the group (gloo: ~20 ms) left to a thread."""
+    import threading
+
+    import torch.distributed as dist
+
+    group = [dist.distributed_c10d._get_default_group()]
+    dist.destroy_process_group()
+    threading.Thread(target=group.clear, name="gradsync-free-group", daemon=True).start()
 
 
 def _same_backend(asked, current: str) -> bool:

@@ -78,6 +78,8 @@ class JobState:
         self.eofs: set = set()
         self.sent = False  # has the job been sent (the ranks are past start-up)?
         self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
+        # Libraries the job imported that may keep process-wide state: retire these workers.
+        self.imported: set[str] = set()
 
     def fail(self, failure: Failure) -> None:
         if failure.rank not in self.failures:
@@ -89,6 +91,7 @@ class JobState:
         if isinstance(message, Finished):
             self.results[rank] = message.result
             self.collectives[rank] = message.collectives
+            self.imported.update(message.imported)
         elif isinstance(message, Raised):
             self.fail(Failure(
                 rank, "raised", exc_type=message.exc_type, message=message.message,
@@ -123,6 +126,61 @@ class JobState:
 
 class Deadline(Exception):
     """A step's deadline passed (the launch timed out, or the workers did not start)."""
+
+
+class WaitsForAReturnedRank(Exception):
+    """A rank waits in a collective that a rank which returned is part of: it never ends."""
+
+
+# After the first rank returns while others run on: how long until their stacks are first read,
+# and the longest between two readings (the interval doubles from the first).
+RETURNED_CHECK_SECONDS = 1.0
+RETURNED_CHECK_MAX_SECONDS = 8.0
+MAX_LINE_CHARS = 2_000  # of a stderr line kept for a failure's "last lines on stderr"
+
+
+class _ReturnedRankWatch:
+    """Tells, as soon as it is certain, that a rank which returned leaves another waiting.
+
+    torchrun ends such a job in seconds (the returned rank's process exits and its peer's
+    collective fails); a warm worker stays alive, so here the others' stacks are read: a rank
+    found twice in a row in the same collective, of a group that a returned rank is part of,
+    will never finish (:func:`~gradsync_tutorial.launcher.hang_report.waits_for_a_returned_rank`).
+    """
+
+    def __init__(self, workers: Workers, state: JobState):
+        self.workers, self.state = workers, state
+        self.next_at: float | None = None
+        self.interval = RETURNED_CHECK_SECONDS
+        self.previous: dict = {}
+        self.certain = False
+
+    def __call__(self) -> bool:
+        state = self.state
+        if not state.results or len(state.results) == self.workers.world_size:
+            return False
+        now = time.monotonic()
+        if self.next_at is None:
+            self.next_at = now + self.interval
+        if now < self.next_at:
+            return False
+        unfinished = [r for r in range(self.workers.world_size) if r not in state.results]
+        for rank in unfinished:
+            state.stacks.pop(rank, None)
+            self.workers.send(rank, StackRequest(state.job_id))
+        self.workers.drain(state, lambda: state.failures or all(
+            r in state.stacks or r in state.results for r in unfinished), hang_report.STACK_SECONDS)
+        reports = {r: state.stacks[r] for r in unfinished
+                   if r in state.stacks and r not in state.results}
+        stuck = {r: (report.waiting_in, report.collectives) for r, report in reports.items()
+                 if hang_report.waits_for_a_returned_rank({r: report}, state.results)}
+        self.certain = bool(stuck) and all(self.previous.get(r) == where
+                                           for r, where in stuck.items())
+        self.previous = stuck
+        # Found waiting once: look again soon to be sure; else less and less often.
+        self.interval = min(self.interval * 2, RETURNED_CHECK_MAX_SECONDS)
+        self.next_at = time.monotonic() + (RETURNED_CHECK_SECONDS if stuck else self.interval)
+        return self.certain
 
 
 class Workers:
@@ -202,6 +260,9 @@ class Workers:
         try:
             while True:
                 self.messages.put(("msg", rank, None, conn.recv()))
+                # Wake the pump, which waits on the output queue: without it a result waited
+                # up to 10 ms to be seen, twice a launch (the repeat launch's time doubled).
+                self.events.put(("wake", rank, None, None))
         except (EOFError, OSError):
             self.messages.put(("closed", rank, None, None))
         finally:
@@ -248,16 +309,24 @@ class Workers:
         self.pump(state, deadline, lambda: all(self.conns))
 
     def run(self, state: JobState, jobs: Sequence[Job], deadline: float) -> None:
-        """Send each rank its job; wait until every rank returned, one failed, or ``deadline``."""
+        """Send each rank its job; wait until every rank returned, one failed, or ``deadline``
+        (:class:`Deadline`), or a rank is found waiting for good on one that returned
+        (:class:`WaitsForAReturnedRank`)."""
         for rank, job in enumerate(jobs):
             self.send(rank, job)
         state.sent = True
-        self.pump(state, deadline, lambda: len(state.results) == self.world_size)
+        watch = _ReturnedRankWatch(self, state)
+        self.pump(state, deadline, lambda: len(state.results) == self.world_size or watch())
+        if watch.certain and not state.failures and len(state.results) < self.world_size:
+            raise WaitsForAReturnedRank
 
-    def tear_down(self, state: JobState, output_idle: float, seconds: float) -> None:
+    def tear_down(self, state: JobState, output_idle: float, seconds: float,
+                  destroy_groups: bool = True) -> None:
         """Every rank returned: print the rest of their output (however long that takes), then
         destroy their process groups (``seconds``), leaving them ready for the next job."""
         self.drain_output(state, range(self.world_size), output_idle)
+        if not destroy_groups:
+            return
         for rank in range(self.world_size):
             self.send(rank, Teardown(state.job_id))
         self.pump(state, time.monotonic() + seconds, lambda: len(state.ready) == self.world_size)
@@ -347,7 +416,7 @@ class Workers:
             return
         if kind == "line":
             if stream == "stderr":
-                state.stderr_tail[rank].append(value)
+                state.stderr_tail[rank].append(value[:MAX_LINE_CHARS])
             if rank in self.show:
                 print(f"[rank {rank}] {value}", file=getattr(sys, stream), flush=True)
         elif kind == "mark":

@@ -102,11 +102,8 @@ def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, 
             name = getattr(fn, "__name__", repr(fn))
             raise TypeError(
                 f"launch calls fn(rank, world_size, *args), but {name}{sig} cannot take "
-                f"{2 + len(args)} positional arguments ({e}). Define it as "
-                f"`def {name}(rank, world_size{', ...' if args else ''}):`"
-                + (f", or, for a torchrun-style entry point that reads RANK and WORLD_SIZE "
-                   f"itself, launch `lambda rank, world_size: {name}()`."
-                   if _takes_no_arguments(sig) and not args else ".")
+                f"{2 + len(args)} positional arguments ({e}). "
+                + _how_to_launch(name, sig, len(args))
             ) from None
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)} "
@@ -141,6 +138,29 @@ def ranks_to_show(show_ranks) -> tuple | None:
         raise TypeError(f"show_ranks must be a list of ranks, got {type(show_ranks).__name__} "
                         f"{show_ranks!r}. For one rank write show_ranks=[{show_ranks!r}].")
     return tuple(show_ranks)
+
+
+def _how_to_launch(name: str, sig: inspect.Signature, n_args: int) -> str:
+    """What to write instead: a lambda for an entry point that takes only its own arguments
+    (a torchrun-style ``main()``; Accelerate's ``training_function(config, args)``, which
+    ``notebook_launcher(fn, args=...)`` calls without a rank), else the signature launch wants."""
+    define = f"Define it as `def {name}(rank, world_size{', ...' if n_args else ''}):`"
+    if _takes_no_arguments(sig) and not n_args:
+        return (f"{define}, or, for a torchrun-style entry point that reads RANK and "
+                f"WORLD_SIZE itself, launch `lambda rank, world_size: {name}()`.")
+    try:
+        sig.bind(*range(n_args))
+    except TypeError:
+        return f"{define}."
+    params = [p.name for p in sig.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:n_args]
+    names = ", ".join(params) if len(params) == n_args else ", ".join(
+        f"arg{i}" for i in range(n_args))
+    return (f"It takes the args themselves, as accelerate's notebook_launcher(fn, args=...) "
+            f"calls it: launch it the same way with `gst.launch(lambda rank, world_size: "
+            f"{name}({names}), world_size=...)` where {names} are the values you passed in "
+            f"args (the ranks read RANK and WORLD_SIZE from the environment, as under "
+            f"torchrun). Or {define[0].lower()}{define[1:]}.")
 
 
 def _takes_no_arguments(sig: inspect.Signature) -> bool:

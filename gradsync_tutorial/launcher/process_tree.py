@@ -69,7 +69,11 @@ def tree(proc: subprocess.Popen) -> set[int]:
     if os.name != "posix" or proc.poll() is not None:
         return set()
     children: dict[int, list[int]] = collections.defaultdict(list)
-    for pid, ppid in process_table():
+    try:
+        table = process_table()
+    except OSError:  # no file descriptor left to read /proc with: the group and pid still work
+        table = []
+    for pid, ppid in table:
         children[ppid].append(pid)
     found: set[int] = set()
     todo = [proc.pid]

@@ -66,7 +66,8 @@ class Teardown(JobMessage):
 
 
 class StackRequest(JobMessage):
-    """The launch timed out: report where the job's main thread is (:class:`StackReport`)."""
+    """Report where the job's main thread is (:class:`StackReport`): at a timeout, or while a
+    rank that returned may leave another waiting in a collective."""
 
 
 # -- worker -> launcher ------------------------------------------------------------------------
@@ -78,6 +79,9 @@ class Finished(JobMessage):
 
     result: bytes
     collectives: int | None = None  # how many collective calls fn made
+    # What the job imported that a fresh interpreter would not have (a library that keeps
+    # process-wide state, a module of the user's own): the launcher retires these workers.
+    imported: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,13 @@ class StackReport(JobMessage):
     ``frames``: the rank's own frames, outermost first (the launcher's and torch's left out).
     ``waiting_in``: the innermost call it is blocked in below its own code (for example
     ``"torch.distributed.all_reduce"``), or ``""``. ``collectives``: how many collective calls
-    it had entered so far, ``None`` if unknown.
+    it had entered so far, ``None`` if unknown. ``peers``: the ranks the call it waits in
+    waits for (its group, or the peer of a send/recv), ``None`` if unknown. ``error``: why the
+    stack could not be read, if it could not.
     """
 
     frames: tuple[Frame, ...]
     waiting_in: str
     collectives: int | None
+    peers: tuple[int, ...] | None = None
+    error: str = ""

@@ -25,8 +25,9 @@ How it works, and why not torch's own launchers
 So the launcher starts **fresh interpreters** itself with :mod:`subprocess` and pipes
 (``python -m gradsync_tutorial.launcher.worker``), sends them ``fn`` serialized *by value* with
 ``cloudpickle``, and reads every line they print back into the calling cell, tagged
-``[rank r]``. What torch does well it keeps: the workers get torchrun's environment (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+``[rank r]``. What torch does well it keeps: the workers get the environment torchrun's agent
+gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``...:
+:func:`_torchrun_env`), so libraries that detect torchrun detect it, and
 initialize the process group through torch's own ``env://`` rendezvous, against a
 :class:`torch.distributed.TCPStore` that the launcher hosts, exactly as the torchrun agent does
 (``TORCHELASTIC_USE_AGENT_STORE``). The store binds a port the OS picks, so two notebooks never
@@ -46,17 +47,23 @@ What a reused worker puts back before each job
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A job on a warm worker starts as it would in a fresh interpreter, as far as global state that
 training code commonly changes goes: the environment (the notebook's, plus torchrun's
-variables), the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``; torch's grad
-mode (on), default dtype (float32) and default device, deterministic algorithms and anomaly
-detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so that
-GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options and
-thread count; fresh random seeds for torch,
-``random`` and numpy (as a new process gets: seed inside ``fn`` for reproducible runs); the
-warnings filters (and which warnings were already shown); signal handlers; the recursion limit;
-and any function of ``builtins``, ``torch``, ``torch.distributed`` or ``torch.nn.functional``
-that a job replaced (monkeypatched). Not reset: modules already imported (call
-:func:`shutdown_workers` after editing one), other modules' globals, threads a job left
-running, CUDA state. ``reuse_workers=False`` gives every launch fresh interpreters.
+variables), ``sys.argv``, the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``;
+torch's grad mode (on), default dtype (float32) and default device, deterministic algorithms and
+anomaly detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so
+that GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options
+and thread count; fresh random seeds for torch, ``random`` and numpy (as a new process gets:
+seed inside ``fn`` for reproducible runs); the warnings filters (and which warnings were already
+shown); signal handlers; the recursion limit; any function of ``builtins``, ``torch``,
+``torch.distributed`` or ``torch.nn.functional`` and any attribute of the classes in ``torch``,
+``torch.nn``, ``torch.optim`` and ``torch.distributed`` that a job replaced
+(``torch.Tensor.__add__`` monkeypatched).
+
+What cannot be put back is a library's process-wide state, so a job that imported one of
+:data:`~gradsync_tutorial.launcher.worker.STATEFUL_LIBRARIES` (Accelerate, Lightning, DeepSpeed,
+...), or a module of the user's own from inside ``fn``, retires its workers: the launch says so
+in one line, and the next launch starts fresh interpreters, as every torchrun does. Not reset
+otherwise: other modules' globals, threads a job left running, CUDA state.
+``reuse_workers=False`` gives every launch fresh interpreters.
 
 Platforms
 ~~~~~~~~~
@@ -76,9 +83,11 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import struct
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -115,7 +124,7 @@ def launch(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
 
     Each rank is a fresh Python process with torchrun's environment (``RANK``, ``LOCAL_RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and the default
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``...) and the default
     process group already initialized, so the body of ``fn`` runs unchanged under torchrun.
     Every line a rank prints appears in the calling cell as ``[rank r] ...``.
 
@@ -145,7 +154,8 @@ def launch(
 
     Raises:
         RankFailedError: a rank raised (its traceback is in the message) or died.
-        LaunchTimeoutError: ``timeout`` passed first (typically a rank skipped a collective).
+        LaunchTimeoutError: ``timeout`` passed first (typically a rank skipped a collective),
+            or, sooner, a rank waits in a collective that a rank which returned never called.
         KeyboardInterrupt: re-raised after every rank has been stopped.
 
     Example:
@@ -163,7 +173,9 @@ def launch(
     num_threads = num_threads or max(1, cpu_count() // world_size)
 
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
-    store = _rendezvous_store(master_port, timeout)
+    # Its own waits outlast the launch's timeout, which the launcher reports first.
+    store = _rendezvous_store(master_port, timeout + 30)
+    run_id = uuid.uuid4().hex  # TORCHELASTIC_RUN_ID: one per launch, as one per torchrun
     try:
         workers = _take_workers(world_size, reuse_workers)
     except BaseException:  # they could not all start (and were stopped): release the port
@@ -175,22 +187,29 @@ def launch(
         workers.wait_until_started(state, time.monotonic() + startup)
         deadline = time.monotonic() + timeout  # the job's own time starts now
         workers.run(state, [Job(
-            state.job_id, payload, _job_env(rank, world_size, store.port, num_threads),
+            state.job_id, payload, _job_env(rank, world_size, store.port, num_threads, run_id),
             os.getcwd(), list(sys.path), backend, device, num_threads,
             collective_timeout=timeout + 30,  # our timeout reports it first
             sources=sources,
         ) for rank in range(world_size)], deadline)
         if not state.failures:
-            # Every rank returned in time; printing what they wrote takes what it takes.
-            workers.tear_down(state, OUTPUT_IDLE_SECONDS, max(timeout, TEARDOWN_SECONDS))
+            # Every rank returned in time; printing what they wrote takes what it takes. A job
+            # that imported a library with process-wide state needs no teardown: its workers
+            # are retired.
+            workers.tear_down(state, OUTPUT_IDLE_SECONDS, max(timeout, TEARDOWN_SECONDS),
+                              destroy_groups=not state.imported)
+            if state.imported and not state.failures:
+                workers.stop_despite_interrupts()  # while the store is up, as on a failure
         if state.failures:  # in the job or its teardown. Stop every rank while the store is
             # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
             error = workers.stop_after_failure(state)
-    except pool.Deadline:
+    except (pool.Deadline, pool.WaitsForAReturnedRank) as e:
+        early = (time.monotonic() - deadline + timeout  # seconds since the job started
+                 if isinstance(e, pool.WaitsForAReturnedRank) else None)
         report = workers.where_each_rank_is(state) if state.sent else ""
         workers.stop()
         raise shown_from_caller(timeout_error(world_size, state.results, timeout, startup,
-                                              state.sent, report)) from None
+                                              state.sent, report, early)) from None
     except BaseException:  # KeyboardInterrupt (the kernel's stop button) included
         workers.stop_despite_interrupts()
         raise
@@ -200,11 +219,25 @@ def launch(
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
         raise shown_from_caller(error) from error.__cause__
-    _give_back(workers, reuse_workers)
+    if state.imported:
+        _say_retired(state.imported, reuse_workers)
+    else:
+        _give_back(workers, reuse_workers)
     results, error = state.rebuilt_results(world_size)
     if error is not None:
         raise shown_from_caller(error) from None
     return results
+
+
+def _say_retired(imported: set[str], reuse: bool) -> None:
+    """A job imported libraries that may keep process-wide state: say, in one line, that its
+    workers were retired (the next launch starts fresh ones, as torchrun starts every run)."""
+    if reuse:
+        names = ", ".join(sorted(imported)[:4]) + (", ..." if len(imported) > 4 else "")
+        print(f"gst.launch: fn imported {names}, which may keep process-wide state (such as "
+              "Accelerate's AcceleratorState), so these workers were retired: the next launch "
+              "starts fresh ones (a few seconds). reuse_workers=False says so up front.",
+              file=sys.stderr, flush=True)
 
 
 # -- the idle pool, kept between launches ------------------------------------------------------
@@ -278,6 +311,10 @@ def _rendezvous_store(port: int | None, timeout: float):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Connections the store accepts inherit this: closed, they reset at once instead of
+        # holding the port in TIME-WAIT (a rank frees its group, and the store client in it,
+        # after telling the launcher it is ready, so the store may close first).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.bind(("127.0.0.1", port or 0))
         sock.listen(128)
     except OSError as e:
@@ -304,20 +341,35 @@ def _port_error(port, e: Exception) -> OSError:
                    "launch picks a free port.")
 
 
-def _job_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
+def _job_env(rank: int, world_size: int, port: int, num_threads: int,
+             run_id: str) -> dict[str, str]:
     """The notebook's environment (``GRADSYNC_DATA`` and every other variable of the user's),
     without the launcher's own control variables, plus torchrun's."""
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
-    return dict(env, **_torchrun_env(rank, world_size, port, num_threads))
+    return dict(env, **_torchrun_env(rank, world_size, port, num_threads, run_id))
 
 
-def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int) -> dict[str, str]:
-    """The variables torchrun sets for a single-node job (see ``torchrun --help``)."""
+def _torchrun_env(rank: int, world_size: int, port: int, num_threads: int,
+                  run_id: str) -> dict[str, str]:
+    """What torchrun's agent gives each worker of a single-node job: torch's
+    ``LocalElasticAgent._start_workers`` (torch 2.14), one node, no restarts.
+
+    ``TORCHELASTIC_RUN_ID`` is what ``torch.distributed.is_torchelastic_launched()`` reads, and
+    so what Lightning (``TorchElasticEnvironment``: it then checks devices * nodes against
+    WORLD_SIZE) and other libraries detect torchrun by. Left out: ``TORCHELASTIC_ERROR_FILE``
+    (torchrun's agent reads a failed rank's error from that file; here it comes back over the
+    launcher's socket) and the agent's own ``TORCHELASTIC_SIGNALS_TO_HANDLE``. ``MASTER_ADDR``
+    is 127.0.0.1, where the store listens; ``OMP_NUM_THREADS`` is ``num_threads``.
+    """
     return {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default", "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": str(num_threads),
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "OMP_NUM_THREADS": str(num_threads),
     }
 
 

@@ -19,6 +19,8 @@ A warm worker runs many jobs, so before each one it puts back what a fresh inter
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import linecache
 import os
@@ -31,6 +33,7 @@ import socket
 import sys
 import threading
 import traceback
+import types
 import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -101,16 +104,41 @@ def _local_shard(tensor, shards: list[str]):
 def _end_of_job(job_id: int) -> None:
     """Flush both streams and mark the end of this job's output on each.
 
-    The marks go to the original streams, in case ``fn`` replaced ``sys.stdout``.
+    The marks go to the original streams, in case ``fn`` replaced ``sys.stdout``; one that
+    ``fn`` closed is opened again on its file descriptor (which ``close()`` leaves open).
     """
-    for stream, original in ((sys.stdout, sys.__stdout__), (sys.stderr, sys.__stderr__)):
+    for name in ("stdout", "stderr"):
         try:
-            stream.flush()
+            getattr(sys, name).flush()
         except Exception:  # noqa: BLE001 - a stream fn closed or broke
             pass
+        original = _original_stream(name)
+        if original is None:  # fn closed the descriptor itself: the launcher sees its EOF
+            continue
         # Its own line even after text printed without a newline (the launcher splits it off).
-        original.write(f"{_mark} {job_id}\n")
-        original.flush()
+        try:
+            original.write(f"{_mark} {job_id}\n")
+            original.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _original_stream(name: str):
+    """``sys.__stdout__`` (or ``__stderr__``), opened again if a job closed it; None if its
+    file descriptor itself is gone."""
+    stream = getattr(sys, f"__{name}__")
+    if stream is not None and not stream.closed:
+        return stream
+    fd = 1 if name == "stdout" else 2
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                              errors="backslashreplace", line_buffering=True,
+                              write_through=True)
+    setattr(sys, f"__{name}__", stream)
+    return stream
 
 
 def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
@@ -121,9 +149,11 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     from gradsync_tutorial.detect import CollectiveCounter
 
     counter = CollectiveCounter()
+    before = set(sys.modules)
     try:
         _reset_globals()
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # undo a previous job's swap
+        # Undo a previous job's swap (or close) of the streams.
+        sys.stdout, sys.stderr = _original_stream("stdout"), _original_stream("stderr")
         os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
         os.environ.update(job.env, PYTHONUNBUFFERED="1")
         if job.cwd and os.path.isdir(job.cwd):
@@ -146,7 +176,8 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         fn, args = cloudpickle.loads(job.payload)
         # Count the collectives fn enters: a hang report says how far each rank got.
         counter = CollectiveCounter(fn, *args, keep_arguments=False)
-        with counter:
+        before = set(sys.modules)
+        with counter, _no_launcher_inside():
             if channel is not None:
                 channel.counter = counter
             result = fn(rank, world_size, *args)
@@ -161,7 +192,8 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         return _raised(job.job_id, exc)
     try:
         result = _unwrap_ddp(result)
-        return Finished(job.job_id, _dumps_result(result), counter.total)
+        return Finished(job.job_id, _dumps_result(result), counter.total,
+                        _stateful_imports(before))
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
@@ -184,6 +216,8 @@ def _remember_fresh_state() -> None:
     import torch.nn.functional  # noqa: F401
 
     _fresh["sys.path"] = list(sys.path)
+    _fresh["sys.argv"] = list(sys.argv)
+    _fresh["classes"] = {cls: dict(vars(cls)) for cls in _patchable_classes()}
     _fresh["warnings"] = list(warnings.filters)
     _fresh["recursionlimit"] = sys.getrecursionlimit()
     _fresh["signals"] = {s: signal.getsignal(s) for s in signal.valid_signals()
@@ -212,7 +246,11 @@ def _reset_globals() -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
     torch.backends.cuda.matmul.allow_tf32 = False
     # Fresh random state, as a new interpreter gets (fn seeds it itself for reproducibility).
-    torch.seed()
+    # Not torch.seed(): on a machine without CUDA it queues a call for each accelerator type
+    # (with its stack) that runs only if one is ever initialized, every job.
+    torch.default_generator.seed()
+    if torch.cuda.is_initialized():
+        torch.cuda.seed_all()
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -231,6 +269,197 @@ def _reset_globals() -> None:
         for attr, original in functions.items():
             if namespace.get(attr) is not original:
                 namespace[attr] = original
+    sys.argv = list(_fresh["sys.argv"])  # a job's argparse setup (sys.argv = [...]) is forgotten
+    _restore_classes(_fresh["classes"])
+
+
+# The classes whose attributes jobs monkeypatch (torch.Tensor.__add__, nn.Module.__call__,
+# nn.Linear.forward, an optimizer's step): every class in these modules' namespaces.
+_CLASS_MODULES = ("torch", "torch.nn", "torch.nn.functional", "torch.optim", "torch.distributed")
+# Where a job's *new* attributes are removed too (elsewhere torch itself may add some lazily).
+_CLOSED_CLASSES = ("Tensor", "Module", "Parameter")
+
+
+def _patchable_classes() -> list[type]:
+    import torch.nn  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    found = {}
+    with warnings.catch_warnings():  # torch.distributed.reduce_op warns when looked at
+        warnings.simplefilter("ignore")
+        for name in _CLASS_MODULES:
+            for value in list(vars(sys.modules[name]).values()):
+                if isinstance(value, type) and str(vars(value).get("__module__", "")
+                                                   ).startswith("torch"):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+def _restore_classes(fresh: dict[type, dict]) -> None:
+    """Put back every attribute a job replaced or deleted on torch's classes.
+
+    Comparing each class's dict with its copy runs in C and matches identical values by
+    identity first: about 0.2 ms for the ~360 classes, when nothing changed."""
+    for cls, attributes in fresh.items():
+        current = vars(cls)
+        try:
+            if current == attributes:
+                continue
+        except Exception:  # noqa: BLE001 - a replaced value whose == raises: it changed
+            pass
+        for k, v in attributes.items():
+            if current.get(k, _MISSING) is not v:
+                setattr(cls, k, v)
+        if cls.__name__ in _CLOSED_CLASSES:
+            for k in [k for k in current if k not in attributes]:
+                delattr(cls, k)
+
+
+_MISSING = object()
+
+
+# -- libraries with process-wide state: a job that imported one retires its workers -----------
+
+# Libraries that keep a process-wide state a later job would inherit (Accelerate's
+# AcceleratorState and PartialState, Lightning's and DeepSpeed's launch state, ...): after a job
+# that imported one, its workers are retired, as if each launch were a new torchrun.
+STATEFUL_LIBRARIES = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
+                      "deepspeed", "transformers", "colossalai", "horovod", "ray", "mpi4py")
+
+
+def _stateful_imports(before: set[str]) -> tuple[str, ...]:
+    """What this job loaded that a fresh interpreter would not have: a library of
+    :data:`STATEFUL_LIBRARIES`, or a module of the user's own that ``fn`` imported while it ran
+    (not from an installed distribution, the standard library or the course's package: a file
+    next to the notebook, perhaps edited since, perhaps holding a singleton).
+
+    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted;
+    nor are other installed libraries (tqdm, pandas...): a warm start is worth more there, and
+    ``gst.shutdown_workers()`` starts afresh. ``before``: ``sys.modules``' names before fn ran.
+    """
+    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules}
+    if len(sys.modules) != len(before):
+        new = {name.partition(".")[0] for name in list(sys.modules) if name not in before}
+        found |= {m for m in new if m not in sys.stdlib_module_names and m != "gradsync_tutorial"
+                  and _from_a_file(m) and m not in _distributions()}
+    return tuple(sorted(found))
+
+
+def _from_a_file(name: str) -> bool:
+    """A module of its own on disk: not ``__main__``, nor a module a compiled extension makes
+    for itself (Cython's ``_cython_3_2_4``), which belongs to whoever imported it."""
+    module = sys.modules.get(name)
+    return not name.startswith("__") and bool(
+        getattr(module, "__file__", None) or getattr(module, "__path__", None))
+
+
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict:
+    """Top-level module -> the installed distributions that provide it (read once, lazily)."""
+    from importlib.metadata import packages_distributions
+
+    return packages_distributions()
+
+
+LAUNCHER_INSIDE = (
+    "a launcher inside a rank: this rank called torch.multiprocessing.{name} (what mp.spawn, "
+    "Lightning's ddp_notebook and ddp_spawn strategies and Accelerate's notebook_launcher use "
+    "to start ranks), but gst.launch has already started the ranks, and ranks started inside "
+    "a rank wait for peers that never come. Let gst.launch start them: with Lightning Fabric, "
+    'pass strategy="ddp" (fabric.launch(fn) then runs fn in each rank); with mp.spawn or '
+    "notebook_launcher, gst.launch the function they would start. For helper processes of "
+    "this rank's own, use multiprocessing itself."
+)
+
+
+@contextlib.contextmanager
+def _no_launcher_inside():
+    """While ``fn`` runs: torch.multiprocessing's launchers refuse, saying why (see
+    :data:`LAUNCHER_INSIDE`). Under torchrun the same code fails too, with a gloo error."""
+    import torch.multiprocessing
+    import torch.multiprocessing.spawn as spawn_module
+
+    originals = [(m, n, getattr(m, n)) for m in (torch.multiprocessing, spawn_module)
+                 for n in ("start_processes", "spawn") if hasattr(m, n)]
+
+    def refuse(name):
+        def launcher(*args, **kwargs):
+            __tracebackhide__ = True
+            raise RuntimeError(LAUNCHER_INSIDE.format(name=name))
+        return launcher
+
+    for module, name, _ in originals:
+        setattr(module, name, refuse(name))
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def _pickle_notebook_objects_by_value() -> None:
+    """Let ``multiprocessing`` send classes and functions defined in a notebook cell.
+
+    A DataLoader with ``num_workers > 0`` and the ``spawn`` or ``forkserver`` start method (the
+    default on macOS and Windows) pickles its Dataset *by name*, and a class defined in a cell
+    has none here (``Can't pickle <class '__main__.MyDataset'>``). multiprocessing's pickler
+    sends such a class or function by value (cloudpickle) instead, as the launcher sent it.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and not _importable(obj):
+            import cloudpickle
+
+            return cloudpickle.loads, (cloudpickle.dumps(obj),)
+        return NotImplemented
+
+    ForkingPickler.reducer_override = reducer_override
+
+
+def _importable(obj) -> bool:
+    """Can pickle find ``obj`` by its module and qualified name?"""
+    target = sys.modules.get(getattr(obj, "__module__", None) or "")
+    for part in getattr(obj, "__qualname__", "<locals>").split("."):
+        target = getattr(target, part, None) if part != "<locals>" else None
+        if target is None:
+            return False
+    return target is obj
+
+
+_reaper_pipe: int | None = None  # the write end the reaper watches, held for this worker's life
+
+
+def _start_reaper() -> None:
+    """POSIX: fork a small process that kills this worker's process group once it is gone.
+
+    A rank's ``subprocess.Popen`` children stay in the rank's process group, but no
+    parent-death signal reaches them (Popen runs no at-fork hook): when the notebook is killed
+    and this worker dies with it, they would run on. The reaper (forked before torch is
+    imported: a few MB) waits on a pipe only this process writes to; at end of file -- this
+    worker died, however -- it kills the whole group, itself included. Children that left the
+    group (a session of their own) are out of its reach; the launcher stops those when it can.
+    """
+    global _reaper_pipe
+    if os.name != "posix" or not hasattr(os, "fork"):
+        return
+    read_end, write_end = os.pipe()  # not inherited by programs the rank execs
+    pid = os.fork()
+    if pid == 0:  # the reaper
+        try:
+            os.close(write_end)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # hold no pipe to the notebook open
+                os.dup2(devnull, fd)
+            while os.read(read_end, 1):
+                pass
+        finally:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+            os._exit(0)
+    os.close(read_end)
+    _reaper_pipe = write_end
+    if hasattr(os, "register_at_fork"):  # a fork of this worker must not keep the reaper waiting
+        os.register_at_fork(after_in_child=lambda: os.close(write_end))
 
 
 def _die_with_parent() -> None:
@@ -335,15 +564,38 @@ def _raised(job_id: int, exc: BaseException) -> Raised:
     if isinstance(exc, SystemExit):  # sys.exit(3) exits 3; sys.exit("why") prints and exits 1
         exit_code = exc.code if isinstance(exc.code, int) else 1
         text = repr(exc.code) if isinstance(exc.code, str) else text
+    lost_peer = _lost_peer(exc, text[:MAX_MESSAGE_CHARS])
+    if len(text) > MAX_MESSAGE_CHARS or len(text_tb) > 2 * MAX_MESSAGE_CHARS:
+        # A cell cannot show millions of characters: keep both ends, and do not send the
+        # exception itself (the notebook would show its whole message again as the cause).
+        text, text_tb = _cut(text, MAX_MESSAGE_CHARS), _cut(text_tb, 2 * MAX_MESSAGE_CHARS)
+        pickled = None
+    else:
+        pickled = _picklable(exc)
+    return Raised(job_id, type(exc).__qualname__, text, text_tb, pickled,
+                  lost_peer=lost_peer, exit_code=exit_code)
+
+
+MAX_MESSAGE_CHARS = 20_000  # of an exception's message sent to the notebook (the traceback: 2x)
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` within ``limit`` characters: its start and its end, and how much was cut."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 3 // 4], text[-(limit // 4):]
+    return f"{head} [... {len(text) - len(head) - len(tail):,} characters cut ...] {tail}"
+
+
+def _picklable(exc: BaseException) -> bytes | None:
     try:
         import cloudpickle
 
         pickled = cloudpickle.dumps(exc)
         pickle.loads(pickled)  # only send what the notebook can rebuild
+        return pickled
     except Exception:  # noqa: BLE001 - the text alone is enough to report it
-        pickled = None
-    return Raised(job_id, type(exc).__qualname__, text, text_tb, pickled,
-                  lost_peer=_lost_peer(exc, text), exit_code=exit_code)
+        return None
 
 
 def _connect() -> Connection:
@@ -370,6 +622,7 @@ class _Channel:
 
 def main() -> None:
     global _mark
+    _start_reaper()  # first: before threads, torch, and the parent-death signal for forks
     _die_with_parent()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_die_with_parent)
@@ -377,6 +630,7 @@ def main() -> None:
     import torch  # noqa: F401 - preload: by the time the first job arrives this is done
     import torch.distributed  # noqa: F401
 
+    _pickle_notebook_objects_by_value()
     _remember_fresh_state()
     channel = _Channel(_connect())
     inbox: queue.Queue = queue.Queue()
@@ -386,10 +640,7 @@ def main() -> None:
             while True:
                 message = channel.conn.recv()
                 if isinstance(message, StackRequest):  # answered here: the job thread is busy
-                    counter = channel.counter
-                    channel.send(_where.stack_report(
-                        message.job_id, channel.job_thread,
-                        None if counter is None else counter.total))
+                    _answer(channel, message)
                 else:
                     inbox.put(message)
         except (EOFError, OSError):
@@ -405,11 +656,38 @@ def main() -> None:
             _end_of_job(message.job_id)
             channel.send(reply)
         elif isinstance(message, Teardown):
-            import torch.distributed as dist
-
-            if dist.is_initialized():  # fn may have destroyed it itself, torchrun-style
-                dist.destroy_process_group()
+            _tear_down()
             channel.send(Ready(message.job_id))
+
+
+def _answer(channel: _Channel, request: StackRequest) -> None:
+    """Say where the job's thread is; if that fails, say why (never let this thread die: it
+    is the one that notices the launcher going away)."""
+    counter = channel.counter
+    collectives = None if counter is None else counter.total
+    try:
+        report = _where.stack_report(request.job_id, channel.job_thread, collectives)
+    except Exception as e:  # noqa: BLE001 - a report that cannot be built is still an answer
+        report = _where.failed_report(request.job_id, collectives, e)
+    try:
+        channel.send(report)
+    except (OSError, ValueError, pickle.PicklingError):
+        pass  # the launcher went away: read_forever sees it; or an unsendable frame: no answer
+
+
+def _tear_down() -> None:
+    """Destroy the job's process group (fn may have destroyed it itself, torchrun-style).
+
+    Freeing a gloo group waits about 20 ms for its threads (torch 2.14): the last reference is
+    dropped on a thread of its own, after the launcher has been told the rank is ready.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    group = [dist.distributed_c10d._get_default_group()]
+    dist.destroy_process_group()
+    threading.Thread(target=group.clear, name="gradsync-free-group", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -307,7 +307,17 @@ def test_unserializable_return_value_is_reported():
         gst.launch(lambda rank, ws: threading.Lock(), world_size=2)
 
 
-def test_keyboard_interrupt_stops_every_rank():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in a Jupyter cell, however pytest was
+    started: a shell starts background jobs (``nohup make test &``) with SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler (issue 28; test_sigint_ignored.py)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_keyboard_interrupt_stops_every_rank(sigint_raises):
     def fn(rank, world_size):
         print("sleeping")
         time.sleep(60)
@@ -324,8 +334,11 @@ def test_keyboard_interrupt_stops_every_rank():
     assert worker_pids() == []
 
 
+# The script sets what ipykernel sets while a cell runs: SIGINT raises KeyboardInterrupt, even
+# when the script inherited SIGINT ignored from a background job (issue 28).
 KERNEL_SCRIPT = """
-    import os, sys, time
+    import os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import gradsync_tutorial as gst
 
     def fn(rank, world_size):
@@ -348,7 +361,11 @@ def test_sigint_to_kernel_stops_ranks(target):
         proc.send_signal(signal.SIGINT)
     else:  # what Jupyter's stop button does to a kernel started in its own group
         os.killpg(proc.pid, signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:  # a failed check leaves no kernel behind, nor its ranks
+        proc.kill()
+        proc.wait()
     assert proc.returncode == 42 and "KeyboardInterrupt" in out
     assert wait_dead(pids) == []
 

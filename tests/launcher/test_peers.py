@@ -20,7 +20,7 @@ import gradsync_tutorial as gst
 
 from ..conftest import REPO
 from ..programs import HERE as PROGRAMS
-from ..programs import program
+from ..programs import cell, source
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 
@@ -37,6 +37,12 @@ def torchrun(name: str, *argv: str, nproc: int = 2) -> tuple[int, list[dict], st
     states = [json.loads(line.split("STATE ", 1)[1]) for line in run.stdout.splitlines()
               if line.startswith("STATE ")]
     return run.returncode, states, output
+
+
+def program(name: str) -> dict:
+    """``tests/programs/NAME.py`` pasted into a notebook cell without its script entry point
+    (``if __name__ == "__main__": main()``, which torchrun runs)."""
+    return cell(source(name).rsplit('\nif __name__ == "__main__":', 1)[0])
 
 
 def as_main(name: str, *argv: str):
