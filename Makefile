@@ -34,7 +34,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[dev,e2e]'
+	$(BIN)/python -m pip install -e '.[dev,e2e,peers]'
 	touch $(STAMP)
 
 data: $(STAMP)
