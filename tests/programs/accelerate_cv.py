@@ -61,6 +61,9 @@ def training_function(config, args):
         "mixed_precision": accelerator.mixed_precision,
         "eval_samples_gathered": seen,
     }
+    # Free the DDP model before the group goes (a DDP object alive at exit can abort gloo).
+    del model, optimizer, train, evaluation
+    accelerator.free_memory()
     accelerator.end_training()
     return state
 

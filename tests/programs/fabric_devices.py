@@ -34,6 +34,9 @@ def main(devices=None):
     state = {"world_size": fabric.world_size, "global_rank": fabric.global_rank,
              "samples_seen": seen}
     print("STATE " + json.dumps(state, sort_keys=True))
+    # Free the DDP model, then the group (a DDP object alive at exit can abort gloo).
+    del model, optimizer, loader
+    torch.distributed.destroy_process_group()
     return state
 
 
