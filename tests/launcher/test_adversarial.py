@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 import gradsync_tutorial as gst
 
-from ..conftest import REPO, pid_alive, worker_pids
+from ..conftest import REPO, pid_alive, start_kernel_like, wait_dead, worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_workers_left")
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals and sessions")
@@ -29,43 +28,23 @@ def _script(code: str, **kwargs) -> subprocess.Popen:
                             start_new_session=True, **kwargs)
 
 
-def _read_pids(proc: subprocess.Popen, word: str, count: int) -> list[int]:
-    pids, deadline = [], time.monotonic() + 120
-    while len(pids) < count and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()[-3000:]
-        if f" {word} " in line:
-            pids.append(int(line.split()[-1]))
-    return pids
-
-
-def _wait_dead(pids, seconds=15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(map(pid_alive, pids))
-
-
 @posix_only
 def test_a_rank_s_subprocesses_die_with_a_killed_kernel():
-    proc = _script("""
+    proc, children = start_kernel_like("""
         import os, subprocess, time
         import gradsync_tutorial as gst
 
         def fn(rank, world_size):
             child = subprocess.Popen(["sleep", "600"])  # a rank's own helper program
-            print("child", child.pid, flush=True)
+            print("pid", child.pid, flush=True)
             time.sleep(600)
 
         gst.launch(fn, world_size=2)
-    """)
+    """, seconds=120)
+    proc.kill()  # SIGKILL: no cleanup code runs in the kernel at all
+    proc.wait()
     try:
-        children = _read_pids(proc, "child", 2)
-    finally:
-        proc.kill()  # SIGKILL: no cleanup code runs in the kernel at all
-        proc.wait()
-    try:
-        assert _wait_dead(children), "a rank's subprocess outlived the killed kernel"
+        assert wait_dead(children) == [], "a rank's subprocess outlived the killed kernel"
     finally:
         for pid in children:
             if pid_alive(pid):
@@ -98,7 +77,7 @@ def test_stopping_works_when_the_notebook_ran_out_of_file_descriptors():
         proc.wait()
     pids = [int(p) for p in out.split("pids", 1)[1].split("\n", 1)[0].split()]
     assert "exhausted" in out and "stopped" in out, err[-3000:]
-    assert _wait_dead(pids), "workers survived shutdown_workers() without file descriptors"
+    assert wait_dead(pids) == [], "workers survived shutdown_workers() without file descriptors"
 
 
 def test_a_deep_stack_is_reported_where_it_is():
