@@ -428,35 +428,34 @@ def _importable(obj) -> bool:
 
 
 _reaper_pipe: int | None = None  # the write end the reaper watches, held for this worker's life
+# The reaper: a shell that waits for end of file on its stdin, then kills its process group.
+REAPER = ("sh", "-c", "read _; kill -KILL 0")
 
 
 def _start_reaper() -> None:
-    """POSIX: fork a small process that kills this worker's process group once it is gone.
+    """POSIX: start a tiny process that kills this worker's process group once it is gone.
 
     A rank's ``subprocess.Popen`` children stay in the rank's process group, but no
     parent-death signal reaches them (Popen runs no at-fork hook): when the notebook is killed
-    and this worker dies with it, they would run on. The reaper (forked before torch is
-    imported: a few MB) waits on a pipe only this process writes to; at end of file -- this
-    worker died, however -- it kills the whole group, itself included. Children that left the
-    group (a session of their own) are out of its reach; the launcher stops those when it can.
+    and this worker dies with it, they would run on. The reaper (``sh``, a few hundred kB, in
+    the same group) reads a pipe only this process holds open; at end of file -- this worker
+    died, however -- it kills the whole group, itself included. Children that left the group (a
+    session of their own) are out of its reach; the launcher stops those when it can.
     """
     global _reaper_pipe
-    if os.name != "posix" or not hasattr(os, "fork"):
+    if os.name != "posix":
         return
-    read_end, write_end = os.pipe()  # not inherited by programs the rank execs
-    pid = os.fork()
-    if pid == 0:  # the reaper
-        try:
-            os.close(write_end)
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):  # hold no pipe to the notebook open
-                os.dup2(devnull, fd)
-            while os.read(read_end, 1):
-                pass
-        finally:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-            os._exit(0)
-    os.close(read_end)
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.Popen(REAPER, stdin=read_end, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    except OSError:  # no sh: the launcher's own stopping still reaches the group
+        os.close(write_end)
+        return
+    finally:
+        os.close(read_end)
     _reaper_pipe = write_end
     if hasattr(os, "register_at_fork"):  # a fork of this worker must not keep the reaper waiting
         os.register_at_fork(after_in_child=lambda: os.close(write_end))
@@ -622,7 +621,7 @@ class _Channel:
 
 def main() -> None:
     global _mark
-    _start_reaper()  # first: before threads, torch, and the parent-death signal for forks
+    _start_reaper()  # first: before threads and torch
     _die_with_parent()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_die_with_parent)
