@@ -990,9 +990,10 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # clips: multiplied by `min(1, max_norm / (norm + 1e-6))`, where `norm` is the norm of the
 # *whole* mean gradient. One `reduce_scatter`, then one `all_reduce` of a single number.
 #
-# The check runs it on 2 and on 3 ranks, with and without clipping, against the reference, and
-# looks at what your collectives carried. It prints "✓ correct", or fails with what is wrong;
-# until you write the function, it says "not attempted yet". Stuck?
+# The check runs it on 2 and on 3 ranks (shards of 12, then 10 numbers), with and without
+# clipping, against the reference; it looks at what your collectives delivered, and `flat_grad`
+# must be left as it was (it is the caller's). It prints "✓ correct", or fails with what is
+# wrong; until you write the function, it says "not attempted yet". Stuck?
 # `%load solutions/08_average_and_clip_shard.py` in a new cell.
 
 # %%
