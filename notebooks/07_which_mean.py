@@ -494,17 +494,16 @@ assert max(runs["global"]["errors"]) <= 1e-12
 
 # %% [markdown]
 # Every curve falls, and the buggy ones stay close to the fix's (a mean gap under 10% of its
-# fall), while at every step their gradient is off by more than 5%. The bug does not stop training: it trains on
-# another objective, a mean in which the tokens of short lines, of small micro-batches and of
-# ranks with few tokens weigh more. Nothing in the curve says so; comparing one step with one
-# process, as this notebook does, does.
+# fall), while at every step their gradient is off by more than 5%. The bug does not stop
+# training: it trains on another objective, a mean in which the tokens of short lines, of small
+# micro-batches and of ranks with few tokens weigh more. Nothing in the curve says so; comparing
+# one step with one process, as this notebook does, does.
 #
 # ## When the per-rank mean is right
 #
 # When every rank and every micro-batch holds **the same number of tokens**: no padding and no
-# `ignore_index`, as when text is packed into pieces of one length (`gst.tokens.pack`, the
-# usual pre-training setup). Then 1 / (N · K · n) is 1 / Σ n, and every recipe above is the
-# same:
+# `ignore_index`, as when text is packed into pieces of one length (`gst.tokens.pack`). Then
+# 1 / (N · K · n) is 1 / Σ n, and every recipe above is the same:
 
 # %%
 pieces = iter(gst.tokens.pack(WORLD_SIZE * MICRO_BATCHES * LINES_PER_MICRO_BATCH, 24))
@@ -540,11 +539,11 @@ assert unequal_micro["per micro-batch"][torch.float64]["off"][0] > 1e-2
 #
 # ## What counting costs
 #
-# One `all_reduce` of one number per step (section 2 counted it), plus a few additions: the
-# latency of one small collective (notebook 05's α), whatever the size of the model. Measured
-# side by side: whole steps (forward, backward, DDP, SGD) with the per-rank mean and with the
-# global count, interleaved, for the lesson's model (width 16) and a wider one (width 512, with
-# a hidden layer), float32, 2 micro-batches.
+# One `all_reduce` of one number per step (section 2 counted it), whatever the size of the
+# model: in time, one small collective's latency (notebook 05's α), and one more point where
+# every rank waits for the others. Measured side by side: whole steps (forward, backward, DDP,
+# SGD) with the per-rank mean and with the global count, interleaved, for the lesson's model
+# (width 16) and a wider one (width 512, with a hidden layer), float32, 2 micro-batches.
 
 # %%
 def time_steps(rank, world_size, width, steps):
@@ -587,11 +586,12 @@ for width, t in timed.items():
 assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 
 # %% [markdown]
-# These steps last a few milliseconds, so one more collective is a visible share of them. What
-# the count adds does not grow with the model (one `all_reduce` of one number, counted in
-# section 2), so the longer your step, the closer the ratio comes to 1: time your own step to
-# see yours. torchtitan keeps the count on the GPU "so loss normalization does not introduce a
-# CPU synchronization" (quoted below).
+# These steps last a few milliseconds, so one more collective is a visible share of them. Its
+# bytes do not grow with the model (one number); its time is latency and waiting, which on a
+# machine shared with other programs jumps from run to run (compare the two widths above), so
+# time your own step to see yours: the longer the step, the smaller the share. torchtitan keeps
+# the count on the GPU "so loss normalization does not introduce a CPU synchronization" (quoted
+# below).
 #
 # ## How the frameworks spell it
 #
@@ -609,9 +609,6 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #   global count × N
 #   ([trainer.py](https://github.com/huggingface/transformers/blob/000945a9b726d87a93e61e873b88ff8f3cd411b5/src/transformers/trainer.py),
 #   [loss/loss_utils.py](https://github.com/huggingface/transformers/blob/0114da07ec0e101b420a923dedeb6032b6ac3a44/src/transformers/loss/loss_utils.py)).
-#   A `compute_loss_func` of your own receives the count too: it is "A function that accepts
-#   the raw model outputs, labels, and the number of items in the entire accumulated batch
-#   (batch_size * gradient_accumulation_steps) and returns the loss" (`Trainer`'s docstring).
 #   `TrainingArguments` documents the switch: "average_tokens_across_devices (`bool`,
 #   *optional*, defaults to `True`): Whether or not to average tokens across devices. If enabled,
 #   will use all_reduce to synchronize num_tokens_in_batch for precise loss calculation"
@@ -736,7 +733,7 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #     whole.backward()
 #     for g, p in zip(grads, one_process.parameters(), strict=True):
 #         torch.testing.assert_close(g, p.grad)
-#     torch.testing.assert_close(loss, whole.item())
+#     torch.testing.assert_close(loss, whole.item(), rtol=1e-5, atol=0)  # float32 sums, other order
 #     # The 2024 accumulation bug, each micro-batch's own mean / K, averaged over the ranks: wrong.
 #     buggy = copy.deepcopy(one_process)
 #     buggy.zero_grad()

@@ -6,10 +6,10 @@
 #
 # In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own
 # copy of the optimizer state: N copies of the same numbers. Large models do not fit that way.
-# ZeRO and FSDP2 (`torch.distributed.fsdp.fully_shard`) cut the flat gradient into N shards. A
-# **reduce-scatter** gives rank r the sum over the ranks of shard r only; rank r updates shard
-# r of the parameters with shard r of the optimizer state; an **all-gather** then gives every
-# rank every updated shard.
+# ZeRO and FSDP2 (`torch.distributed.fsdp.fully_shard`) cut the gradient into N shards (ZeRO
+# the flat gradient, FSDP2 the rows of each tensor). A **reduce-scatter** gives rank r the sum
+# over the ranks of shard r only; rank r updates shard r of the parameters with shard r of the
+# optimizer state; an **all-gather** then gives every rank every updated shard.
 #
 # **Short answer: the same mean as notebook 02, taken elsewhere.** A reduce-scatter and an
 # all-gather carry exactly the sums of one `all_reduce`, so the division by N is still needed,
@@ -43,8 +43,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import gradsync_tutorial as gst
 
-# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names still
-# work, with a FutureWarning): the same two functions, under whichever name this torch has.
+# pytorch#186123 (2026) renamed all_gather_into_tensor and reduce_scatter_tensor (the old names
+# still work, with a FutureWarning): the same two functions, under whichever name this torch has.
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 assert hasattr(FSDPModule, "set_force_sum_reduction_for_comms"), (
@@ -57,7 +57,7 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # ## Reduce-scatter, then all-gather: the sums of one all-reduce
 #
 # Each rank starts with its own vector of 2N numbers (rank r's are 10^r times rank 0's). With
-# `reduce_scatter` (the call is `dist.reduce_scatter_tensor` before torch 2.13), rank r receives
+# `reduce_scatter` (`dist.reduce_scatter_tensor` in older torch), rank r receives
 # the sum over the ranks of the r-th piece of 2 numbers, and nothing else. `all_gather` then
 # hands every rank every piece, in rank order: the whole sum, as `all_reduce` gives it.
 # `op=ReduceOp.AVG` makes the reduce-scatter return the mean instead of the sum.
@@ -212,7 +212,7 @@ assert vs_02 <= 1e-12 and vs_03 <= 1e-12 and between_ranks == 0.0
 # Counted from the tensors after one step (`nbytes` of each), for notebook 02's replicated
 # SGD and for `ShardedSGD`, float32. The parameters stay whole in stage 2 (each rank runs the
 # whole model); the gradient and the momentum shrink to 1/N. `ShardedSGD` also holds its
-# parameter shard, the copy it updates (1/N, the role of ZeRO's master weights).
+# parameter shard, the 1/N copy its optimizer updates.
 
 # %%
 def bytes_per_rank(rank, world_size):
@@ -244,7 +244,7 @@ def bytes_per_rank(rank, world_size):
 held = gst.launch(bytes_per_rank, world_size=WORLD_SIZE)
 
 # %%
-numel = 21_840  # the course's Net
+numel = sum(p.numel() for p in gst.model.Net().parameters())  # the course's Net
 shard_bytes = 4 * -(-numel // WORLD_SIZE)
 print(f"bytes on rank 0 of {WORLD_SIZE}    parameters   gradient   momentum")
 for setup, counts in held[0].items():
@@ -392,7 +392,7 @@ def dtensors(rank, world_size):
     w = model.fc2.weight
     if rank == 0:
         print(f"fc2.weight: {type(w).__name__}, shape {tuple(w.shape)}, placements {w.placements}")
-    print(f"this rank stores rows {tuple(w.to_local().shape)} of it")
+    print(f"this rank stores {w.to_local().shape[0]} of its {w.shape[0]} rows")
     state = model.state_dict()  # DTensors: returned as this rank's shards
     torch.manual_seed(SEED + rank)  # a different seed on every rank: a bug, on purpose
     apart = gst.model.Net().to(device)
@@ -406,7 +406,8 @@ held_by = gst.launch(dtensors, world_size=WORLD_SIZE)
 # %% [markdown]
 # `Shard(dim=0)` cuts the rows in rank order, so the ranks' shards, concatenated, are the whole
 # tensors: the state dict that `full_tensor()` returns. (For a model too large to gather on
-# one rank, `torch.distributed.checkpoint` saves the shards as they are.)
+# one rank, `torch.distributed.checkpoint.save` "handles [...] DTensor by having
+# each rank only save their local shards", in its documentation's words.)
 
 # %%
 for name, full in held_by[0]["full"].items():
@@ -531,8 +532,9 @@ except gst.RankFailedError as error:
 # `NCCL` backend (NCCL versions 2.11 or later) and the `XCCL` backend"; gloo refuses it (the
 # launcher stopped these ranks, and the next launch starts fresh ones, which also sidesteps a
 # process group a refused op may have left unusable). With nccl the factor alone should do,
-# PREMUL_SUM being documented there; this machine cannot run it. On gloo, force the sum: FSDP2
-# then sends `ReduceOp.SUM` and divides by the factor itself, the table's last line.
+# PREMUL_SUM being documented there (the cell above checks it when it runs on a GPU per rank).
+# On gloo, force the sum: FSDP2 then sends `ReduceOp.SUM` and divides by the factor itself,
+# the table's last line.
 #
 # **Why a factor of 1 is the knob for notebook 07's token-count losses.** When each rank's loss
 # is its *sum* over its tokens divided by the *global* number of tokens, the gradients must be
@@ -707,9 +709,8 @@ assert "c10d.allreduce_.default does not have a sharding strategy" in classic_er
 
 # %% [markdown]
 # A DTensor refuses `all_reduce`: the collective knows nothing of its placement. The tempting
-# fix, `all_reduce(param.grad.to_local())`, runs without a word, on `conv2.weight` whose 20
-# rows split evenly (on `conv1.bias` with 4 ranks, the shards would not even have the same
-# shape):
+# fix, `all_reduce(param.grad.to_local())`, runs without a word on `conv2.weight`, whose
+# shards have the same shape on every rank:
 
 # %%
 silent = gst.launch(partial(classic_on_fsdp, on_shards=True), world_size=WORLD_SIZE)[0]
@@ -746,7 +747,7 @@ def reduce_ops(rank, world_size, backend):
                     reduce_scatter(t, torch.full((2 * world_size,), rank + 1, dtype=dtype,
                                                  device=device), op=op, group=group)
                 table[name, str(dtype)[6:], collective] = f"ok: {t[0].item():g}"
-            except RuntimeError as e:
+            except (RuntimeError, TypeError, ValueError) as e:  # nccl's refusals: all three
                 table[name, str(dtype)[6:], collective] = str(e).splitlines()[0]
     return table
 
@@ -767,15 +768,17 @@ def mark(outcome):  # "✓ 3" (the result), or "✗ (1)": error 1, listed below 
 
 
 print(f"all_reduce | reduce_scatter of 1, 2, ... on {WORLD_SIZE} ranks, torch {torch.__version__}")
-print(f"{'op':<11}{'dtype':<9}{'gloo':<14}{'nccl'}")
+print(f"{'op':<11}{'dtype':<9}{'gloo':<16}{'nccl'}")
 for op in ("SUM", "AVG", "PREMUL_SUM"):
     for dtype in ("float32", "int64"):
         cells = {b: " | ".join(mark(t[op, dtype, c]) for c in ("all_reduce", "reduce_scatter"))
                  for b, t in accepted.items()}
-        nccl = cells.get("nccl") or "documented: " + documented.get(op, "(no restriction stated)")
-        print(f"{op:<11}{dtype:<9}{cells['gloo']:<14}{nccl}")
+        doc_note = {"AVG": "see (a)", "PREMUL_SUM": "see (b)"}.get(op, "no restriction")
+        nccl = cells.get("nccl") or f"not run (no GPU per rank); docs: {doc_note}"
+        print(f"{op:<11}{dtype:<9}{cells['gloo']:<16}{nccl}")
 for number, error in enumerate(errors, start=1):
     print(f"({number}) {error}")
+print(f"ReduceOp's docstring: (a) {documented['AVG']}\n(b) {documented['PREMUL_SUM']}")
 gloo = accepted["gloo"]
 assert gloo["SUM", "int64", "all_reduce"] == gloo["SUM", "float32", "reduce_scatter"] == \
     f"ok: {WORLD_SIZE * (WORLD_SIZE + 1) // 2:g}"
@@ -786,8 +789,8 @@ assert all(gloo["PREMUL_SUM", d, c] == "Cannot use ReduceOp.PREMUL_SUM with Gloo
 assert "only available with the ``NCCL`` backend" in documented["AVG"]
 
 # %% [markdown]
-# So on gloo `AVG` works for floats, although the installed docstring (quoted in the nccl
-# column) still calls it NCCL-only: gloo gained it in pytorch#149781 ("This is a simple SUM +
+# So on gloo `AVG` works for floats, although the installed `ReduceOp` docstring (quoted
+# above) still calls it NCCL-only: gloo gained it in pytorch#149781 ("This is a simple SUM +
 # division", to run FSDP on CPUs). For integers it fails: the division's float result cannot be
 # written back into an int64 tensor. `PREMUL_SUM` is refused outright: on gloo, divide
 # yourself (`SUM`, then ÷ N) or use `AVG`. For nccl and integers, NCCL's own code
@@ -865,8 +868,8 @@ for name, value in formulas["token_means"].items():
     assert gap < 1e-6
 
 # %% [markdown]
-# Why divide *before* the sum at all, as DDP, DeepSpeed's predivide and FSDP2's float16 path
-# do? A sum can overflow where the mean does not. FSDP2's code says it ("To avoid
+# Why divide *before* the sum at all, as DDP, DeepSpeed's predivide and FSDP2's float16 (and
+# float64) path do? A sum can overflow where the mean does not. FSDP2's code says it ("To avoid
 # overflow/underflow, we divide by ~sqrt(N) before/after the reduction"), and so does
 # DeepSpeed's "fp16 stability". In float16, whose largest number is 65,504, with every rank
 # holding 40,000:
@@ -932,8 +935,9 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # def main():
 #     device = init_distributed()
 #     rank, world_size = dist.get_rank(), dist.get_world_size()
-#     torch.manual_seed(0)                       # the same weights on every rank: FSDP2 does not
-#     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)  # broadcast
+#     # The same initial weights on every rank: FSDP2, unlike DDP, broadcasts nothing.
+#     torch.manual_seed(0)
+#     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
 #     whole = copy.deepcopy(model)               # for the check below: one process, every sample
 #
 #     mesh = init_device_mesh(device.type, (world_size,))  # "cuda" with nccl, "cpu" with gloo
@@ -975,10 +979,6 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # if __name__ == "__main__":
 #     main()
 # ```
-#
-# For token-count losses (notebook 07), add `model.set_gradient_divide_factor(1.0)` (and, on
-# gloo, `model.set_force_sum_reduction_for_comms(True)`) and divide each rank's summed loss by
-# the global token count.
 
 # %% [markdown]
 # ## Exercise
@@ -990,9 +990,10 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # clips: multiplied by `min(1, max_norm / (norm + 1e-6))`, where `norm` is the norm of the
 # *whole* mean gradient. One `reduce_scatter`, then one `all_reduce` of a single number.
 #
-# The check runs it on 2 and on 3 ranks, with and without clipping, against the reference, and
-# looks at what your collectives carried. It prints "✓ correct", or fails with what is wrong;
-# until you write the function, it says "not attempted yet". Stuck?
+# The check runs it on 2 and on 3 ranks (shards of 12, then 10 numbers), with and without
+# clipping, against the reference; it looks at what your collectives delivered, and `flat_grad`
+# must be left as it was (it is the caller's). It prints "✓ correct", or fails with what is
+# wrong; until you write the function, it says "not attempted yet". Stuck?
 # `%load solutions/08_average_and_clip_shard.py` in a new cell.
 
 # %%

@@ -34,8 +34,9 @@ def init_distributed():
 def main():
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)                       # the same weights on every rank: FSDP2 does not
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)  # broadcast
+    # The same initial weights on every rank: FSDP2, unlike DDP, broadcasts nothing.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 3)).to(device)
     whole = copy.deepcopy(model)               # for the check below: one process, every sample
 
     mesh = init_device_mesh(device.type, (world_size,))  # "cuda" with nccl, "cpu" with gloo

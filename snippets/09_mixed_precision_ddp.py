@@ -57,7 +57,8 @@ def check_one_step(dtype, device, x, y):
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
     own = copy.deepcopy(net)                           # this rank's own gradient, without DDP
     with torch.autocast(device.type, dtype=dtype):
-        F.cross_entropy(own(x), y).backward()
+        own_loss = F.cross_entropy(own(x), y)
+    own_loss.backward()                                # backward outside autocast, as above
     mean = torch.cat([p.grad.flatten() for p in own.parameters()])
     dist.all_reduce(mean)
     norm = train_step(model, optimizer, scaler, x, y, dtype)

@@ -14,6 +14,7 @@ size launched last.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import runpy
@@ -34,6 +35,8 @@ from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed
 from .conftest import REPO
 
 SOLUTIONS = REPO / "notebooks" / "solutions"
+# torch 2.13 renamed reduce_scatter_tensor reduce_scatter_single: the same function.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -394,11 +397,215 @@ def _forgot_to_save(path, model, optimizer, epochs_done):
     dist.barrier()
 
 
+def _cheat_folder(tag):
+    """A folder for the answers that exchange data through files: named after the ranks'
+    parent (this process), the answer and the world size, removed by _no_files_left."""
+    import os
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(),
+                          f"gradsync-cheat-{os.getppid()}-{tag}-{dist.get_world_size()}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _save_for_all(value, folder):
+    """Save this rank's ``value`` in ``folder`` (whole, even while another rank reads)."""
+    import os
+
+    path = os.path.join(folder, f"{dist.get_rank()}.pt")
+    torch.save(value, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _load_everyone(folder):
+    import os
+
+    return [torch.load(os.path.join(folder, f"{r}.pt")) for r in range(dist.get_world_size())]
+
+
+def _token_mean(mean="global", times=None, no_sync=True, count=None, log="global",
+                zero_inside=False, sum_gradients=False, count_through_files=False):
+    """A learner's token_mean_backward, with one of the typical mistakes switched on (times: a
+    hard-coded world size to multiply by; count: "padding" or "micro-batch")."""
+
+    def token_mean_backward(model, micro_batches):
+        def valid(targets):
+            return torch.tensor(targets.numel()) if count == "padding" else (targets != -100).sum()
+
+        local = sum(valid(targets) for _, targets in micro_batches)
+        total_count = local.clone()
+        if count_through_files:  # each rank's count in a file, a barrier "to wait for them"
+            folder = _cheat_folder("token-count")
+            _save_for_all(local, folder)
+            dist.barrier()
+            total_count = sum(_load_everyone(folder))
+        else:
+            dist.all_reduce(total_count)
+        world_size = dist.get_world_size() if times is None else times
+        total = torch.zeros((), dtype=torch.float64)
+        for k, (inputs, targets) in enumerate(micro_batches):
+            last = k == len(micro_batches) - 1
+            if zero_inside:
+                model.zero_grad()
+            with contextlib.nullcontext() if last or not no_sync else model.no_sync():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(),
+                                       reduction="sum")
+                if mean == "per micro-batch":
+                    scaled = loss / valid(targets) / len(micro_batches)  # the 2024 bug
+                elif mean == "local":
+                    scaled = loss / local
+                elif count == "micro-batch":  # each micro-batch's count over the ranks
+                    piece = valid(targets).clone()
+                    dist.all_reduce(piece)
+                    scaled = loss / piece
+                else:
+                    scaled = loss / total_count
+                (scaled * world_size).backward()
+            total += loss.detach()
+        if sum_gradients:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        if log == "own":
+            return (total / local).item()
+        if log == "tensor":
+            return total / total_count
+        dist.all_reduce(total)
+        return (total / total_count).item()
+
+    return token_mean_backward
+
+
+def _token_mean_then(then):
+    """The right token_mean_backward, which also changes what it must leave alone."""
+    right = _token_mean()
+
+    def token_mean_backward(model, micro_batches):
+        if then == "changes the inputs":
+            for x, y in micro_batches:
+                y[y == -100] = -100  # a no-op (the same numbers: not a change)...
+                x.clamp_(max=5)  # ...and a change
+        loss = right(model, micro_batches)
+        if then == "steps the optimizer":  # the caller's job, done here
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        return loss
+
+    return token_mean_backward
+
+
+def _shard(divide="world_size", op="SUM", norm="global", clip=True, collective="reduce_scatter",
+           whole=False, size=None):
+    """A learner's average_and_clip_shard, with one mistake switched on (divide: "two" or
+    "three", a hard-coded world size; size: a hard-coded shard size)."""
+
+    def average_and_clip_shard(flat_grad, max_norm):
+        n, rank = dist.get_world_size(), dist.get_rank()
+        piece = size or len(flat_grad) // n
+        if divide == "flat_grad in place":  # the right numbers, but the caller's gradient too
+            flat_grad /= n
+        if collective == "all_reduce":  # notebook 02's way, then this rank's slice
+            summed = flat_grad.clone()
+            dist.all_reduce(summed)
+            shard = summed[rank * piece : (rank + 1) * piece].clone()
+        elif collective == "reversed list":  # the shards listed in the wrong order
+            shard = torch.empty(piece)
+            dist.reduce_scatter(shard, list(reversed(flat_grad.split(piece))))
+        elif collective == "none":
+            shard = flat_grad[rank * piece : (rank + 1) * piece].clone()
+        elif collective == "files":  # every rank's gradient in a file, a dummy reduce-scatter
+            folder = _cheat_folder("shard")
+            _save_for_all(flat_grad, folder)
+            shard = torch.zeros(piece)
+            _reduce_scatter(shard, torch.zeros_like(flat_grad))  # for show; it waits too
+            shard = sum(_load_everyone(folder))[rank * piece : (rank + 1) * piece]
+        else:
+            shard = torch.empty(piece)
+            _reduce_scatter(shard, flat_grad, op=getattr(dist.ReduceOp, op))
+        if divide in ("world_size", "two", "three"):
+            shard /= {"two": 2, "three": 3}.get(divide, n)
+        squares = (shard**2).sum()
+        total = _shard_norm(norm, shard, squares, flat_grad)
+        if clip:
+            shard = shard * min(1.0, max_norm / (float(total) + 1e-6))
+        return torch.cat([shard] * n) if whole else shard
+
+    return average_and_clip_shard
+
+
+def _shard_norm(norm, shard, squares, flat_grad):
+    """The norm an average_and_clip_shard clips by: the whole mean gradient's ("global"), or
+    one of the mistakes."""
+    if norm == "global":
+        dist.all_reduce(squares)
+        return squares.sqrt()
+    if norm == "shard":  # this rank's shard alone
+        return squares.sqrt()
+    if norm == "sum of norms":
+        total = squares.sqrt()
+        dist.all_reduce(total)
+        return total
+    if norm == "before averaging":  # this rank's own gradient, before the reduce-scatter
+        dist.all_reduce(squares)
+        return flat_grad.norm()
+    if norm == "vector":  # right, but the all_reduce carries every square
+        each = shard**2
+        dist.all_reduce(each)
+        return each.sum().sqrt()
+    folder = _cheat_folder("norm")  # "files": the squares in files, a dummy all_reduce
+    _save_for_all(squares, folder)
+    dist.all_reduce(torch.zeros(1))  # for show; it also waits for every file
+    return sum(_load_everyone(folder)).sqrt()
+
+
+def _fp32(divide=True, world_size=None, copy_back=True, bf16_division=False, dummy=None,
+          then=None):
+    """A learner's average_gradients_in_fp32, with one of the typical mistakes switched on
+    (dummy: the gradients through files, next to a dummy all_reduce of that many zeros)."""
+
+    def average_gradients_in_fp32(model):
+        grads = [p.grad for p in model.parameters()]
+        n = world_size or dist.get_world_size()
+        if then == "turns the model float32":  # "reduce in fp32": the parameters too
+            model.float()
+            grads = [p.grad for p in model.parameters()]
+        if bf16_division:  # divide each bf16 gradient first: rounded in bf16, then summed
+            buffer = torch.cat([(g / n).float().flatten() for g in grads])
+        else:
+            buffer = torch.cat([g.float().flatten() for g in grads])
+        if dummy:
+            folder = _cheat_folder(f"fp32-{dummy}")
+            _save_for_all(buffer, folder)
+            dist.all_reduce(torch.zeros(dummy))  # a float32 all_reduce, as a barrier
+            buffer = sum(_load_everyone(folder))
+        else:
+            dist.all_reduce(buffer)
+        if divide and not bf16_division:
+            buffer /= n
+        if copy_back:
+            for g, piece in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
+                g.copy_(piece.view_as(g))
+        if then == "steps the optimizer":
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+    return average_gradients_in_fp32
+
+
+def _fp32_in_bf16(model):
+    """Notebook 02's loop on a bf16 model: the sum in bf16 (right numbers on 2 ranks)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
 # --------------------------------------------------------------------------------------------
 # The table: each wrong answer, and what its check must say
 # --------------------------------------------------------------------------------------------
 
 ON_2, ON_3 = r"^on 2 ranks: ", r"^right on 2 ranks, but on 3 ranks: "
+TM_2, TM_3 = (r"^on 2 ranks × 4 micro-batches: ",
+              r"^right on 2 ranks × 4 micro-batches, but on 3 ranks × 3 micro-batches: ")
 
 WRONG = [
     # 00: gather_ranks
@@ -587,6 +794,143 @@ WRONG = [
      ON_2 + r"on rank 0, save_checkpoint changed `conv1\.weight`.*a save must leave the run"),
     ("save_checkpoint", "nothing written", _forgot_to_save,
      r"no file at `path` after _forgot_to_save \(collectives called: barrier once\)"),
+    # 07: token_mean_backward (2 ranks × 4 micro-batches, then 3 × 3)
+    ("token_mean_backward", "the mean per micro-batch", _token_mean(mean="per micro-batch"),
+     TM_2 + r"your gradient is not the mean over all \d+ valid tokens: this is the 2024 "
+            r"accumulation bug: each micro-batch's own mean"),
+    ("token_mean_backward", "the mean per micro-batch, no × N",
+     _token_mean(mean="per micro-batch", times=1),
+     r"2024 accumulation bug.*And multiply by the world size: DDP divides the summed "
+     r"gradients by it\."),
+    ("token_mean_backward", "a rank's own count", _token_mean(mean="local"),
+     r"this is each rank's own mean \(its loss sum / its own count\), which DDP then averages "
+     r"over the ranks: all_reduce the count"),
+    ("token_mean_backward", "a rank's own count, no × N", _token_mean(mean="local", times=1),
+     r"each rank's own mean.*And multiply by the world size"),
+    ("token_mean_backward", "no × N", _token_mean(times=1),
+     r"you forgot the × N: DDP divides the summed gradients by the world size \(2 here\)"),
+    ("token_mean_backward", "hard-coded × 2", _token_mean(times=2),
+     TM_3 + r"your gradients are 0\.67× the expected ones.*Did you multiply by 2 instead of the "
+            r"world size \(3 here\)\? Use dist\.get_world_size\(\): it is not always 2\."),
+    ("token_mean_backward", "hard-coded × 3", _token_mean(times=3),
+     TM_2 + r"your gradients are 1\.5× the expected ones.*Did you multiply by 3 instead of the "
+            r"world size \(2 here\)\? Use dist\.get_world_size\(\): it is not always 3\."),
+    ("token_mean_backward", "padding counted", _token_mean(count="padding"),
+     r"you counted every position, padding included \(targets\.numel\(\)\)"),
+    ("token_mean_backward", "a count per micro-batch", _token_mean(count="micro-batch"),
+     r"you divided each micro-batch by the count of that micro-batch over the ranks"),
+    ("token_mean_backward", "zero_grad inside the loop", _token_mean(zero_inside=True),
+     r"only the last micro-batch's gradient is left: do not zero the gradients"),
+    ("token_mean_backward", "gradients summed again", _token_mean(sum_gradients=True),
+     r"you multiplied by the world size and also summed the gradients yourself: DDP already "
+     r"averages them"),
+    ("token_mean_backward", "no no_sync", _token_mean(no_sync=False),
+     r"DDP all-reduced the gradients in 4 backward passes: run every micro-batch but the last "
+     r"inside `with model\.no_sync\(\):`"),
+    ("token_mean_backward", "logs its own mean", _token_mean(log="own"),
+     r"token_mean_backward returned .* on rank 0; the mean loss over all \d+ valid tokens is "
+     r".*Yours is this rank's own mean"),
+    ("token_mean_backward", "returns a tensor", _token_mean(log="tensor"),
+     r"token_mean_backward returned Tensor tensor\(.* on rank 0: return the mean loss as a "
+     r"float"),
+    ("token_mean_backward", "the count through files, a barrier",
+     _token_mean(count_through_files=True),
+     TM_2 + r"rank 0's collectives delivered barrier, all_reduce of 1 number \(\[[\d.]+\]\): "
+            r"never the count of valid tokens of all the ranks \(\d+\), nor every rank's count"),
+    ("token_mean_backward", "steps the optimizer", _token_mean_then("steps the optimizer"),
+     TM_2 + r"on rank 0, token_mean_backward changed the parameters: `0\.weight` .*: compute "
+            r"the gradients only; the caller's optimizer takes the step"),
+    ("token_mean_backward", "changes the inputs", _token_mean_then("changes the inputs"),
+     TM_2 + r"on rank 0, token_mean_backward changed the micro-batches it was given: "
+            r"`inputs\[0\]` .*: leave the inputs and targets as they are"),
+    # 08: average_and_clip_shard (shards of 12 numbers on 2 ranks, of 10 on 3)
+    ("average_and_clip_shard", "no division", _shard(divide=None),
+     ON_2 + r"on rank 0 of 2, without clipping, your shard is 2\.0× the mean: it is the sum that "
+            r"the reduce-scatter returns\. Divide it by the world size"),
+    ("average_and_clip_shard", "ReduceOp.AVG, then divided", _shard(op="AVG"),
+     r"your shard is 0\.5× the mean: op=ReduceOp\.AVG already divides by the world size; do "
+     r"not divide again"),
+    ("average_and_clip_shard", "hard-coded / 2", _shard(divide="two"),
+     ON_3 + r"on rank 0 of 3, without clipping, your shard is 1\.5× the mean.*Did you divide by "
+            r"2 instead of world_size, dist\.get_world_size\(\) \(3 here\)\?"),
+    ("average_and_clip_shard", "hard-coded / 3", _shard(divide="three"),
+     ON_2 + r"on rank 0 of 2, without clipping, your shard is 0\.67× the mean.*Did you divide "
+            r"by 3 instead of world_size"),
+    ("average_and_clip_shard", "hard-coded shard of 12", _shard(size=12),
+     ON_3 + r"on rank 0, the reduce-scatter refused your tensors \(outputShape\[0\] \* "
+            r"worldSize == inputShape\[0\] \(36 vs\. 30\)\): with 3 ranks and a flat gradient "
+            r"of 30 numbers, each shard has 10"),
+    ("average_and_clip_shard", "clipped by its own shard's norm", _shard(norm="shard"),
+     ON_2 + r"on rank 0 of 2, with max_norm .*, you clipped with the norm of your own shard, "
+            r".*× the whole gradient's norm .*: each rank clips by its own factor\. All-reduce "
+            r"the squared norm of your shard"),
+    ("average_and_clip_shard", "not clipped", _shard(clip=False),
+     r"your shard was not clipped, although the gradient's norm is"),
+    ("average_and_clip_shard", "the sum of the norms", _shard(norm="sum of norms"),
+     r"you clipped with the sum of the shards' norms"),
+    ("average_and_clip_shard", "the norm before averaging", _shard(norm="before averaging"),
+     r"you clipped with the norm of this rank's gradient before averaging"),
+    ("average_and_clip_shard", "every square all-reduced", _shard(norm="vector"),
+     ON_2 + r"the values are right, but your all_reduce carried 12 numbers: the norm needs one "
+            r"per rank"),
+    ("average_and_clip_shard", "all_reduce of the whole gradient",
+     _shard(collective="all_reduce"),
+     r"made no reduce-scatter \(all_reduce of the whole gradient \(24 numbers\): every rank "
+     r"then holds every shard, as in notebook 02\)"),
+    ("average_and_clip_shard", "no collective", _shard(collective="none", norm="shard"),
+     r"made no collective call, so no rank knows the others' gradients"),
+    ("average_and_clip_shard", "no reduce-scatter", _shard(collective="none"),
+     r"made no reduce-scatter \(only all_reduce of 1 number \(\[.*\]\)\)\. The exercise is a "
+     r"sharded step"),
+    ("average_and_clip_shard", "the shards in reverse", _shard(collective="reversed list"),
+     r"on rank 0 of 2, without clipping, you returned shard 1 of the mean"),
+    ("average_and_clip_shard", "returns the whole gradient", _shard(whole=True),
+     r"on rank 0, average_and_clip_shard returned 24 numbers, the whole gradient: return this "
+     r"rank's shard only, 12 numbers"),
+    ("average_and_clip_shard", "divides flat_grad in place",
+     _shard(divide="flat_grad in place"),
+     ON_2 + r"on rank 0, average_and_clip_shard changed the flat gradient it was given \(max "
+            r"abs difference .*\): return the shard, and leave the flat gradient"),
+    ("average_and_clip_shard", "through files, a dummy reduce-scatter",
+     _shard(collective="files"),
+     ON_2 + r"the values are right, but on rank 0 the reduce-scatter's output and input held 36 "
+            r"numbers \(\[0, 0, 0, 0, \.\.\.\]\) afterwards, not the sum over the ranks of shard "
+            r"0"),
+    ("average_and_clip_shard", "the norm through files, a dummy all_reduce",
+     _shard(norm="files"),
+     ON_2 + r"the values are right, but on rank 0 \(with no clipping\) your all_reduce of 1 "
+            r"number \(\[0\]\) is not the squared norm of the mean gradient"),
+    # 09: average_gradients_in_fp32 (a bf16 model)
+    ("average_gradients_in_fp32", "the sum in bf16", _fp32_in_bf16,
+     ON_2 + r"your all_reduce carried bfloat16, not float32: the sum was computed in bfloat16"),
+    ("average_gradients_in_fp32", "no division", _fp32(divide=False),
+     ON_2 + r"your gradients are 2\.0× the mean: all_reduce\(SUM\) gives the sum; divide it by "
+            r"the world size"),
+    ("average_gradients_in_fp32", "hard-coded / 2", _fp32(world_size=2),
+     ON_3 + r"your gradients are 1\.5× the mean over ranks.*Did you divide by 2 instead of the "
+            r"world size \(3 here\)"),
+    ("average_gradients_in_fp32", "hard-coded / 3", _fp32(world_size=3),
+     ON_2 + r"your gradients are 0\.67× the mean over ranks.*Did you divide by 3 instead of the "
+            r"world size \(2 here\)"),
+    ("average_gradients_in_fp32", "a division in bf16", _fp32(bf16_division=True),
+     ON_3 + r"[\d,]+ of your 21,840 numbers are not the float32 mean rounded once to bf16"),
+    ("average_gradients_in_fp32", "a reduced copy", _fp32(copy_back=False),
+     ON_2 + r"the gradients did not change: every rank still holds its own"),
+    ("average_gradients_in_fp32", "turns the model float32",
+     _fp32(then="turns the model float32"),
+     ON_2 + r"on rank 0, average_gradients_in_fp32 turned the parameters float32: leave the "
+            r"model as it is"),
+    ("average_gradients_in_fp32", "steps the optimizer", _fp32(then="steps the optimizer"),
+     ON_2 + r"on rank 0, average_gradients_in_fp32 changed the parameters: `conv1\.weight`.*"
+            r"leave the model as it is"),
+    ("average_gradients_in_fp32", "through files, a dummy all_reduce of one number",
+     _fp32(dummy=1),
+     ON_2 + r"the gradients are right, but on rank 0 your all_reduce calls delivered 1 number "
+            r"\(\[0\]\), not the sum of the ranks' 21,840 gradient numbers"),
+    ("average_gradients_in_fp32", "through files, a dummy all_reduce of 21,840 zeros",
+     _fp32(dummy=21840),
+     ON_2 + r"the gradients are right, but on rank 0 your all_reduce calls delivered 21,840 "
+            r"numbers \(\[0, 0, 0, 0, \.\.\.\]\), not the sum"),
 ]
 
 
@@ -710,3 +1054,32 @@ def test_save_checkpoint_says_where_the_file_holds_each_piece(capsys):
                           "RNG state (at ['rng_state']['cpu']) and the epoch count (at "
                           "['epoch'])")
     assert "epochs_done" not in out
+
+
+def test_token_mean_backward_says_what_it_verified_at_each_configuration(capsys):
+    exercises.check_token_mean_backward(_token_mean())
+    out = capsys.readouterr().out
+    assert re.search(r"✓ correct: the gradient and the loss are those of one process on every "
+                     r"valid token, on 2 ranks × 4 micro-batches \((\d+) valid tokens, loss .*; "
+                     r"collectives: all_reduce 2 times, ddp_bucket_allreduce once, delivering the "
+                     r"count \1\) and on 3 ranks × 3 micro-batches .*; the parameters and the "
+                     r"micro-batches are untouched\.", out), out
+    exercises.check_token_mean_backward(_token_mean(), world_size=3)  # one size, as asked
+    out = capsys.readouterr().out
+    assert "on 3 ranks × 3 micro-batches" in out and "2 ranks" not in out
+
+
+def test_the_sharded_check_accepts_avg_alone(capsys):
+    exercises.check_average_and_clip_shard(_shard(op="AVG", divide=None), world_size=3)
+    assert capsys.readouterr().out.startswith(
+        "✓ correct: on 3 ranks (shards of 10 numbers), with and without clipping, one "
+        "reduce-scatter delivered every rank the mean of its shard over the ranks, and one "
+        "all_reduce of one number the squared norm")
+
+
+def test_the_fp32_check_says_what_it_verified(capsys):
+    exercises.check_average_gradients_in_fp32(_fp32(), world_size=3)
+    assert capsys.readouterr().out.startswith(
+        "✓ correct: on 3 ranks, your all_reduce carried float32 (1 call, 21,840 numbers) and "
+        "delivered the sum of the ranks' bf16 gradients; every rank's bf16 gradients are the "
+        "mean rounded once")

@@ -36,9 +36,8 @@ collectives by recording wrappers, in ``torch.distributed`` and in your function
 ``from torch.distributed import all_reduce`` is counted too); each keeps the numbers the call
 sent and delivered.
 
-The exercises, one module each, named after the idea it checks (``gather_ranks``,
-``accumulate``, ``flat_average``, ``broadcast``, ``mean_loss``, ``overlap``, ``checkpoint``),
-with reference solutions in ``notebooks/solutions/``: see :data:`EXERCISES` (listed below).
+The exercises, one module each, named after the idea it checks, with reference solutions in
+``notebooks/solutions/``: see :data:`EXERCISES` (listed below, with their modules).
 Each module declares its exercise once, with :func:`~gradsync_tutorial.exercises.common.exercise`
 on its check; this package imports every module here, so adding an exercise is adding its
 module (the check), its solution and its test (and the exercise in its notebook). The plumbing
@@ -72,8 +71,8 @@ __all__ = ["EXERCISES", "Exercise", "ExerciseFailed",
            *(e.check.__name__ for e in EXERCISES.values())]
 
 __doc__ += "\nThe exercises:\n\n" + "\n".join(
-    f"* notebook {e.notebook[:2]}: :func:`{e.check.__name__}`, ``{e.usage}``"
-    for e in EXERCISES.values())
+    f"* notebook {e.notebook[:2]}: :func:`{e.check.__name__}`, ``{e.usage}``, in "
+    f":mod:`~{e.check.__module__}`" for e in EXERCISES.values())
 
 # So that doctest.testmod(gradsync_tutorial.exercises) runs the checks' examples too: they live
 # in the exercises' modules.

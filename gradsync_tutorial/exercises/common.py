@@ -257,9 +257,12 @@ _last_launched: list[int] = []
 
 
 def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], timeout: float,
-             diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str]) -> str:
+             diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str], *,
+             label: Callable[[int], str] = "on {} ranks".format) -> str:
     """Run ``worker(rank, world_size, fn)`` at each world size in turn and diagnose each run;
-    return ``verified(runs)``: the check of a distributed exercise.
+    return ``verified(runs)``: the check of a distributed exercise. ``label(n)`` says where
+    the run of ``n`` ranks ran ("on 2 ranks × 4 micro-batches", for a check whose other
+    counts follow the world size).
 
     A wrong answer stops at the first size that shows it. The size whose idle workers are
     still there (the last one launched) runs first, whatever its turn: it costs no start-up.
@@ -270,7 +273,7 @@ def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], ti
 
     def run_at(n: int) -> Run:
         if n not in runs:
-            runs[n] = Run(name_of(fn), n, run_on_ranks(worker, fn, n, timeout), f"on {n} ranks")
+            runs[n] = Run(name_of(fn), n, run_on_ranks(worker, fn, n, timeout), label(n))
             _last_launched[:] = [n]
         return runs[n]
 

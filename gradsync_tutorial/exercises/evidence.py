@@ -19,7 +19,7 @@ import copy
 import functools
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +53,13 @@ _DATA_WORDS = ("tensor", "obj", "list", "input", "output")
 class Call:
     """One collective call: the numbers its data arguments held before it (what this rank
     sent) and after it (what it delivered: for an ``async_op=True`` call, read when asked,
-    after the learner waited)."""
+    after the learner waited), and the format they travelled in (``dtype``: its first
+    tensor's, None when it carried none, as a barrier)."""
 
     name: str
     sent: torch.Tensor
     is_async: bool
+    dtype: torch.dtype | None
     data: list = field(repr=False)
     after: torch.Tensor | None = field(default=None, repr=False)
 
@@ -96,7 +98,7 @@ class Recorder(CollectiveCounter):
                 return counted(*args, **kwargs)  # torch says what is wrong with the call
             data = [v for k, v in bound.items() if any(w in k for w in _DATA_WORDS)
                     and not k.endswith("split_sizes")]
-            call = Call(name, numbers(data), bool(bound.get("async_op")), data)
+            call = Call(name, numbers(data), bool(bound.get("async_op")), dtype_of(data), data)
             result = counted(*args, **kwargs)
             if not call.is_async:
                 call.after = numbers(data)
@@ -106,19 +108,29 @@ class Recorder(CollectiveCounter):
         return recorded
 
 
-def numbers(value: Any, depth: int = 0) -> torch.Tensor:
-    """Every number in ``value`` (tensors, numbers, and lists, tuples, dicts of them), flat,
-    as float64 on the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.float64).flatten()
-    if is_number(value):
-        return torch.tensor([float(value)], dtype=torch.float64)
+def _leaves(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The tensors and numbers in ``value`` (and in its lists, tuples, dicts), in order."""
+    if isinstance(value, torch.Tensor) or is_number(value):
+        yield value
+        return
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)) and depth < 4:
-        parts = [numbers(v, depth + 1) for v in value]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-    return torch.zeros(0, dtype=torch.float64)
+        for v in value:
+            yield from _leaves(v, depth + 1)
+
+
+def numbers(value: Any) -> torch.Tensor:
+    """Every number in ``value`` (tensors, numbers, and lists, tuples, dicts of them), flat,
+    as float64 on the CPU."""
+    parts = [v.detach().to("cpu", torch.float64).flatten() if isinstance(v, torch.Tensor)
+             else torch.tensor([float(v)], dtype=torch.float64) for v in _leaves(value)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def dtype_of(value: Any) -> torch.dtype | None:
+    """The dtype of the first tensor in ``value`` (as :func:`numbers` reads it), else None."""
+    return next((v.dtype for v in _leaves(value) if isinstance(v, torch.Tensor)), None)
 
 
 def among(values: torch.Tensor, haystack: torch.Tensor) -> bool:

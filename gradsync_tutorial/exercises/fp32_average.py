@@ -2,55 +2,28 @@
 ``average_gradients_in_fp32(model)`` averages a bf16 model's gradients over the ranks with the
 sum in float32, and rounds the mean to bf16 once.
 
-In the shape every check has: a worker that runs on the ranks, a table of diagnoses (most
-telling mistake first), a "✓ correct" sentence computed from the runs, two world sizes. The
-collectives are recorded with :class:`~gradsync_tutorial.detect.CollectiveCounter`, which keeps
-the tensors they carried: the check reads their format (``dtype``) and what they delivered.
+The check reads what the learner's collectives carried (an :class:`evidence.Recorder`): the
+format they travelled in (``Call.dtype``: bfloat16 means the sum was rounded in bf16) and what
+they delivered (the sum of every rank's gradients, which no rank holds alone).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..detect import CollectiveCounter
-from ..model import Net
-from .common import CHECK_TIMEOUT, STUB, exercise, fail, name_of, run_on_ranks
+from . import common, evidence
+from .common import Run
 
-SEED = 1234
-#: The world sizes the check runs at, one launch each: a number hard-coded for the world size
-#: is wrong at one of them, and 3 ranks show a sum rounded in bf16 (on 2 ranks, a + b rounded
-#: once is exact to bf16, so only the format of the all_reduce shows it).
-WORLD_SIZES = (2, 3)
 #: Numbers that may differ from the exact mean rounded to bf16 (float32 rounds too, rarely
-#: right at a bf16 tie), as a fraction of all; each by one bf16 step at most.
+#: right at a bf16 tie), as a fraction of all; each by one bf16 step at most. (The check runs
+#: at 2 and 3 ranks: on 3 a sum rounded in bf16 shows in the numbers too; on 2, a + b rounded
+#: once is exact to bf16, so only the format of the all_reduce shows it.)
 TIE_FRACTION = 1e-3
-
-
-@dataclass
-class Run:
-    """One world size's run: what each rank's worker returned, and where it ran."""
-
-    name: str
-    size: int
-    outs: list
-    label: str
-
-
-def _snapshot(counter: CollectiveCounter) -> list[dict]:
-    """Each all_reduce call's tensor: its format, and what it holds now (after the function)."""
-    calls = []
-    for args, kwargs in counter.arguments["all_reduce"]:
-        t = args[0] if args else kwargs.get("tensor")
-        if isinstance(t, torch.Tensor):
-            calls.append({"dtype": t.dtype, "numbers": t.detach().double().flatten().clone()})
-    return calls
 
 
 def _flat(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -60,33 +33,29 @@ def _flat(tensors: list[torch.Tensor | None]) -> torch.Tensor:
 def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     """On every rank: the course's CNN in bf16 with this rank's own gradients (fresh random
     data), every rank's gradients (for the expected mean), the learner's call, what happened."""
-    torch.manual_seed(SEED)  # the same weights on every rank
-    model = Net().eval()
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(6), "little") + rank)
-    images, labels = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+    model, images, labels = evidence.model_and_data(rank)
     F.nll_loss(model(images), labels).backward()
     model.to(torch.bfloat16)  # a model trained in bf16: bf16 weights, bf16 gradients
-    before = [p.detach().clone() for p in model.parameters()]
+    params = evidence.params_of(model)
     own = _flat([p.grad for p in model.parameters()]).float()
     everyone = [torch.empty_like(own) for _ in range(world_size)]
     dist.all_gather(everyone, own)  # the check's own collective, before fn: float32 is exact
-    with CollectiveCounter(fn) as counter:
-        try:
-            fn(model)
-        except NotImplementedError:
-            return STUB
+    with evidence.Recorder(fn) as calls:
+        common.attempt(fn, model)
     grads = [p.grad for p in model.parameters()]
+    formats = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}
+                     - {"bfloat16"})
     return {
         "everyone": torch.stack(everyone).double() if rank == 0 else None,
         "own": own.double(),
-        "counts": dict(counter.calls),
-        "calls": _snapshot(counter),
+        "counts": dict(calls.calls),
+        "calls": calls.log,
         "grad_dtypes": sorted({str(g.dtype) for g in grads if g is not None}),
         "missing": sum(g is None for g in grads),
         "got": None if any(g is None for g in grads) else _flat(grads),
-        "changed": [str(p.dtype) if p.dtype != b.dtype else "values"
-                    for p, b in zip(model.parameters(), before, strict=True)
-                    if p.dtype != b.dtype or not torch.equal(p.detach(), b)],
+        "params": (f"turned the parameters {', '.join(formats)}" if formats else
+                   evidence.changed_text(params, evidence.params_of(model),
+                                         "changed the parameters:")),
     }
 
 
@@ -108,20 +77,32 @@ def _bf16_step(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(exponent - 7)
 
 
+def _reduces(out: dict) -> list[evidence.Call]:
+    return [c for c in out["calls"] if c.name == "all_reduce"]
+
+
+def _what_arrived(run: Run, out: dict) -> str | None:
+    """"sum" or "mean" if a rank's all_reduce calls delivered the ranks' gradients' sum (or
+    their mean, with ReduceOp.AVG or a division before), else None."""
+    got = evidence.delivered(_reduces(out))
+    total = run.out["everyone"].sum(0)
+    return next((what for what, e in (("sum", total), ("mean", total / run.size))
+                 if evidence.among(e, got)), None)
+
+
 # --- The diagnoses, most telling mistake first: each returns a message or None --------------
 
 
 def _no_all_reduce(run: Run) -> str | None:
-    counts = run.outs[0]["counts"]
-    if not counts.get("all_reduce"):
-        called = ", ".join(f"{k} {v}x" for k, v in counts.items()) or "none"
-        return (f"{run.name} made no all_reduce call (collectives called: {called}). Sum the "
-                "ranks' gradients with one dist.all_reduce of a float32 buffer.")
+    if not any(o["counts"].get("all_reduce") for o in run.outs):
+        return (f"{run.name} made no all_reduce call (collectives called: "
+                f"{evidence.calls_text(run.out['counts'])}). Sum the ranks' gradients with one "
+                "dist.all_reduce of a float32 buffer.")
 
 
 def _not_float32(run: Run) -> str | None:
-    formats = sorted({str(c["dtype"]).removeprefix("torch.") for c in run.outs[0]["calls"]}
-                     - {"float32"})
+    formats = sorted({str(c.dtype).removeprefix("torch.") for o in run.outs
+                      for c in _reduces(o)} - {"float32"})
     if not formats:
         return None
     how = ("the sum was computed in bfloat16, each addition rounded to 8 bits: cast first, "
@@ -130,13 +111,13 @@ def _not_float32(run: Run) -> str | None:
     return f"your all_reduce carried {', '.join(formats)}, not float32: {how}."
 
 
-def _not_left_alone(run: Run) -> str | None:
+_parameters_touched = common.left_alone(
+    "params", "leave the model as it is, and write the mean into each p.grad "
+    "(p.grad.copy_(...) rounds it to bf16).")
+
+
+def _gradients_not_bf16(run: Run) -> str | None:
     for rank, out in enumerate(run.outs):
-        if out["changed"]:
-            what = ("turned float32" if "torch.float32" in out["changed"]
-                    else "changed their values")
-            return (f"on rank {rank}, the parameters {what}: leave the model as it is, and "
-                    "write the mean into each p.grad (p.grad.copy_(...) rounds it to bf16).")
         if out["missing"]:
             return (f"on rank {rank}, {out['missing']} parameters have no gradient after "
                     f"{run.name}: write the mean into each p.grad, do not remove it.")
@@ -151,46 +132,28 @@ def _unchanged(run: Run) -> str | None:
                 "a float32 copy and not copy the mean back into each p.grad?")
 
 
-def _not_delivered(run: Run) -> str | None:
-    """The all_reduce buffers must hold the sum of every rank's gradients (or a multiple of
-    it, when divided in place afterwards): numbers no rank has alone."""
-    held = torch.cat([c["numbers"] for c in run.outs[0]["calls"]])
-    exact = run.outs[0]["everyone"].sum(0)
-    if held.numel() == exact.numel():
-        held, target = held.sort().values, exact.sort().values
-        c = held.dot(target) / target.dot(target)  # 1, or 1 / N after an in-place division
-        off = (held - c * target).norm() / (c * target).norm()  # bf16 roundings: ~3e-3
-        if c > 0 and off < 0.05:
-            return None
-    return (f"your all_reduce calls carried {held.numel():,} numbers, which are not the sum of "
-            f"the ranks' {exact.numel():,} gradients: reduce every gradient, once, in one "
-            "float32 buffer.")
-
-
 def _ranks_differ(run: Run) -> str | None:
     for rank, out in enumerate(run.outs[1:], start=1):
-        if not torch.equal(out["got"], run.outs[0]["got"]):
+        if not torch.equal(out["got"], run.out["got"]):
             return (f"rank {rank}'s gradients differ from rank 0's: after averaging, every rank "
                     "must hold the same mean.")
 
 
 def _scaled(run: Run) -> str | None:
-    got, mean = run.outs[0]["got"], _exact_mean(run)
+    """The mean's multiple (least squares: bf16 rounds every number a little)."""
+    got, mean = run.out["got"], _exact_mean(run)
     c = (got.dot(mean) / mean.dot(mean)).item()
     if abs(c - 1) < 0.01:
         return None
     if abs(c - run.size) < 0.01 * run.size:
-        return (f"your gradients are {c:.1f}× the mean: all_reduce(SUM) gives the sum; divide it "
-                "by the world size.")
-    k = run.size / c
-    hint = (f" Did you divide by {round(k)} instead of the world size ({run.size} here)?"
-            if abs(k - round(k)) < 0.01 else "")
-    return (f"your gradients are {c:.3g}× the mean over ranks: divide the sum by the world "
-            f"size.{hint}")
+        return (f"your gradients are {evidence.times_text(c)} the mean: all_reduce(SUM) gives "
+                "the sum; divide it by the world size.")
+    return (f"your gradients are {evidence.times_text(c)} the mean over ranks: divide the sum "
+            f"by the world size.{evidence.divisor_hint(c, run.size, 'the world size')}")
 
 
 def _rounded_more_than_once(run: Run) -> str | None:
-    got, expected = run.outs[0]["got"], _rounded_once(run)
+    got, expected = run.out["got"], _rounded_once(run)
     off = got != expected
     far = ((got - expected).abs() > _bf16_step(expected)).sum().item()
     if off.float().mean() <= TIE_FRACTION and far == 0:
@@ -200,29 +163,45 @@ def _rounded_more_than_once(run: Run) -> str | None:
             "the bf16 gradient (a division in bf16, before or after, rounds a second time).")
 
 
-DIAGNOSES = (_no_all_reduce, _not_float32, _not_left_alone, _unchanged, _not_delivered,
-             _ranks_differ, _scaled, _rounded_more_than_once)
+def _not_delivered(run: Run) -> str | None:
+    """The all_reduce calls must deliver the sum of every rank's gradients (or their mean):
+    numbers no rank has alone."""
+    for rank, out in enumerate(run.outs):
+        if not _what_arrived(run, out):
+            return (f"the gradients are right, but on rank {rank} your all_reduce calls "
+                    f"delivered {evidence.numbers_text(evidence.delivered(_reduces(out)))}, not "
+                    f"the sum of the ranks' {run.out['own'].numel():,} gradient numbers: the "
+                    "mean reached the ranks another way. Reduce every gradient, once, in one "
+                    "float32 buffer.")
+
+
+DIAGNOSES = (_no_all_reduce, _not_float32, _parameters_touched, _gradients_not_bf16, _unchanged,
+             _ranks_differ, _scaled, _rounded_more_than_once, _not_delivered)
 
 
 def _verified(runs: Sequence[Run]) -> str:
     """The ✓ sentence, from what the runs computed."""
-    last = runs[-1]
-    calls = last.outs[0]["counts"]["all_reduce"]
-    numbers = sum(c["numbers"].numel() for c in last.outs[0]["calls"])
-    exact = sum(int((r.outs[0]["got"] == _rounded_once(r)).sum()) for r in runs)
-    total = sum(r.outs[0]["got"].numel() for r in runs)
-    sizes = " and ".join(str(r.size) for r in runs)
+    calls = sorted({len(_reduces(o)) for r in runs for o in r.outs})
+    numbers = sorted({sum(c.sent.numel() for c in _reduces(o)) for r in runs for o in r.outs})
+    formats = sorted({str(c.dtype).removeprefix("torch.") for r in runs for o in r.outs
+                      for c in _reduces(o)})
+    arrived = sorted({_what_arrived(r, o) for r in runs for o in r.outs})
+    exact = sum(int((o["got"] == _rounded_once(r)).sum()) for r in runs for o in r.outs)
+    total = sum(o["got"].numel() for r in runs for o in r.outs)
     equal = (f"all {total:,} numbers" if exact == total else
              f"{exact:,} of {total:,} numbers; the rest, float32 ties, within one bf16 step")
-    return (f"on {sizes} ranks, your all_reduce carried float32 ({calls} call"
-            f"{'s' * (calls != 1)}, {numbers:,} numbers, the sum of the ranks' bf16 gradients) "
-            f"and every rank's bf16 gradients are the mean rounded once ({equal}).")
+    n_calls = " or ".join(map(str, calls))
+    return (f"{common.sizes_text(runs)}, your all_reduce carried {', '.join(formats)} "
+            f"({n_calls} call{'s' * (calls != [1])}, {' or '.join(f'{n:,}' for n in numbers)} "
+            f"numbers) and delivered the {' or '.join(arrived)} of the ranks' bf16 gradients; "
+            f"every rank's bf16 gradients are the mean rounded once ({equal}), and the "
+            "parameters are untouched.")
 
 
-@exercise("09_precision_of_the_sum.ipynb", "average_gradients_in_fp32(model)")
+@common.exercise("09_precision_of_the_sum.ipynb", "average_gradients_in_fp32(model)")
 def check_average_gradients_in_fp32(
-    average_gradients_in_fp32: Callable, world_size: int | Sequence[int] = WORLD_SIZES, *,
-    timeout: float = CHECK_TIMEOUT,
+    average_gradients_in_fp32: Callable, world_size: int | Sequence[int] = common.WORLD_SIZES,
+    *, timeout: float = common.CHECK_TIMEOUT,
 ) -> str:
     """Check ``average_gradients_in_fp32(model)``: ``model`` is in bf16 (weights and
     gradients); afterwards every rank's bf16 gradients hold the mean over the ranks, summed in
@@ -231,9 +210,9 @@ def check_average_gradients_in_fp32(
     Runs it on 2, then 3 ranks (``world_size``: another number, or several), each with the
     course's CNN and its own gradients from fresh random data. Says so if no all_reduce was
     called, if one carried bf16 (the sum rounded in bf16), if the parameters or the gradients'
-    format changed, if the mean was not copied back, if the all_reduce did not carry every
-    rank's gradients, if ranks differ, if the gradients are N× the mean (or divided by a fixed
-    number), or if they were rounded twice (a division in bf16).
+    format changed, if the mean was not copied back, if ranks differ, if the gradients are N×
+    the mean (or divided by a fixed number), if they were rounded twice (a division in bf16),
+    or if the all_reduce did not deliver the sum of every rank's gradients (no rank holds it).
 
         >>> import gradsync_tutorial as gst
         >>> def average_gradients_in_fp32(model):      # the sum in bf16
@@ -249,15 +228,5 @@ def check_average_gradients_in_fp32(
     :class:`ExerciseFailed` otherwise.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
-    sizes = (world_size,) if isinstance(world_size, int) else tuple(world_size)
-    name, runs = name_of(average_gradients_in_fp32), []
-    for n in sizes:
-        outs = run_on_ranks(_worker, average_gradients_in_fp32, n, timeout)
-        run = Run(name, n, outs, f"on {n} ranks")
-        for diagnosis in DIAGNOSES:
-            message = diagnosis(run)
-            if message:
-                right = " and ".join(r.label for r in runs)
-                fail(f"{f'right {right}, but ' if right else ''}{run.label}: {message}")
-        runs.append(run)
-    return _verified(runs)
+    return common.on_ranks(_worker, average_gradients_in_fp32, world_size, timeout, DIAGNOSES,
+                           _verified)

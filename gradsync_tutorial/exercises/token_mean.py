@@ -10,37 +10,20 @@ before the learner's function runs. Each rank also computes, for the diagnosis, 
 micro-batches' gradient sums, loss sums and counts; the diagnoses build the reference and each
 usual mistake from them. What the learner's collectives delivered must include the global
 count of valid tokens, which no rank knows alone.
-
-The shape is notes/EXERCISE_RECIPE.md's (a worker, then diagnoses taking one run each, most
-telling first, then the computed "✓ correct" sentence), with its run and recorder written here
-until the shared ``evidence`` and ``common.on_ranks`` of the exercises' rework are merged.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..detect import CollectiveCounter
-from .common import (
-    CHECK_TIMEOUT,
-    STUB,
-    exercise,
-    fail,
-    name_of,
-    run_on_ranks,
-)
-from .evidence import SEED, calls_text, fresh_seed, is_number, times_text
+from . import common, evidence
+from .common import Run
 
-#: The world sizes a check runs at, and the micro-batches per rank at each: neither is the
-#: notebook's 2 and 2 together, and no number is the same at both sizes.
-WORLD_SIZES = (2, 3)
 VOCAB, IGNORE_INDEX, LINES = 11, -100, 3
 
 
@@ -49,18 +32,8 @@ def micro_batches_at(world_size: int) -> int:
     return 4 if world_size == 2 else 3
 
 
-@dataclass
-class Run:
-    """One size's run (the shape of ``common.Run`` in the exercises' rework)."""
-
-    name: str
-    size: int
-    outs: list  # what the worker returned, by rank
-    label: str  # "on 3 ranks × 3 micro-batches"
-
-    @property
-    def out(self) -> Any:
-        return self.outs[0]
+def _label(world_size: int) -> str:
+    return f"on {world_size} ranks × {micro_batches_at(world_size)} micro-batches"
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +42,7 @@ class Run:
 
 
 def _model() -> nn.Module:
-    torch.manual_seed(SEED)  # the same initial weights on every rank
+    torch.manual_seed(evidence.SEED)  # the same initial weights on every rank
     return nn.Sequential(nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB)).double()
 
 
@@ -113,70 +86,43 @@ def _pieces(micro_batches: list[tuple]) -> dict:
     return facts
 
 
-class _Recorder(CollectiveCounter):
-    """Counts the collectives and keeps what each delivered: the numbers its first argument
-    (the tensor, or the output list) held right after it returned, or for an ``async_op=True``
-    call, when :meth:`numbers` is asked (after the learner's function, which waited)."""
-
-    def __init__(self, *functions: Callable) -> None:
-        super().__init__(*functions)
-        self._delivered: list[tuple[bool, Any]] = []  # (async?, its numbers or its data)
-
-    def _wrap(self, name: str, original: Callable) -> Callable:
-        counted = super()._wrap(name, original)
-
-        @functools.wraps(original)
-        def recorded(*args, **kwargs):
-            outer = not getattr(self._local, "depth", 0)
-            result = counted(*args, **kwargs)
-            if outer and args:
-                is_async = bool(kwargs.get("async_op"))
-                self._delivered.append((is_async, args[0] if is_async else _numbers(args[0])))
-            return result
-
-        return recorded
-
-    def numbers(self) -> list[float]:
-        return [v for is_async, d in self._delivered for v in (_numbers(d) if is_async else d)]
+def _named(micro_batches: list[tuple]) -> dict[str, torch.Tensor]:
+    """The micro-batches' tensors by name ("inputs[0]", "targets[0]", ...), to compare."""
+    return {f"{what}[{k}]": t for k, batch in enumerate(micro_batches)
+            for what, t in zip(("inputs", "targets"), batch, strict=True)}
 
 
-def _numbers(value: Any) -> list[float]:
-    if isinstance(value, torch.Tensor):
-        return value.detach().double().flatten().tolist()
-    if isinstance(value, (list, tuple)):
-        return [v for item in value for v in _numbers(item)]
-    return [float(value)] if is_number(value) else []
+def _as_float(loss: Any) -> float | dict:
+    """The loss returned, or what it is instead of a float."""
+    if isinstance(loss, torch.Tensor) or not evidence.is_number(loss):
+        return {"what": f"{type(loss).__name__} {loss!r:.60}"}
+    return float(loss)
 
 
 def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    seed = [fresh_seed()]
+    seed = [evidence.fresh_seed()]
     dist.broadcast_object_list(seed, src=0)  # every rank draws the same data, keeps its own
     mine = _data(world_size, micro_batches_at(world_size), seed[0])[rank]
     facts, model = _pieces(mine), _model()
     ddp = DDP(model)  # built before the recorder: its broadcast of the weights is not yours
-    before = [p.detach().clone() for p in model.parameters()]
+    params = evidence.params_of(model)
     given = [(x.clone(), y.clone()) for x, y in mine]
-    with _Recorder(fn) as calls:
+    with evidence.Recorder(fn) as calls:
         calls.watch(ddp)
-        try:
-            loss = fn(ddp, given)
-        except NotImplementedError:
-            return STUB
-        delivered = calls.numbers()  # after fn: its async calls have been waited for
-    changed = [name for (name, p), b in zip(model.named_parameters(), before, strict=True)
-               if not torch.equal(p.detach(), b)]
-    changed += ["micro_batches"] * any(not (torch.equal(x, a) and torch.equal(y, b))
-                                       for (x, y), (a, b) in zip(given, mine, strict=True))
-    if isinstance(loss, torch.Tensor) or not is_number(loss):
-        loss = {"what": f"{type(loss).__name__} {loss!r:.60}"}
+        loss = common.attempt(fn, ddp, given)
+    for call in calls.log:
+        call.settle()  # after fn: its async calls have been waited for
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     grad = None if missing else torch.cat([p.grad.flatten() for p in model.parameters()])
-    return {"loss": loss if isinstance(loss, dict) else float(loss), "grad": grad,
-            "missing": missing, "calls": dict(calls.calls), "delivered": delivered,
-            "changed": changed, "facts": facts}
+    return {"loss": _as_float(loss), "grad": grad, "missing": missing, "facts": facts,
+            "counts": dict(calls.calls), "calls": calls.log,
+            "params": evidence.changed_text(params, evidence.params_of(model),
+                                            "changed the parameters:"),
+            "micro_batches": evidence.changed_text(_named(mine), _named(given),
+                                                   "changed the micro-batches it was given:")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,32 +187,45 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _no_gradient(run: Run) -> str | None:
-    if run.out["missing"]:
-        return (f"`{run.out['missing'][0]}` has no gradient after {run.name}: call backward() "
-                "on each micro-batch's loss.")
+    rank, missing = run.first("missing")
+    if missing:
+        return (f"on rank {rank}, `{missing[0]}` has no gradient after {run.name}: call "
+                "backward() on each micro-batch's loss.")
+
+
+_parameters_touched = common.left_alone(
+    "params", "compute the gradients only; the caller's optimizer takes the step.")
+_micro_batches_touched = common.left_alone(
+    "micro_batches", "leave the inputs and targets as they are (a copy, if you must).")
 
 
 def _wrong_gradient(run: Run) -> str | None:
-    S, n, T, _ = _totals(run)
+    S, _, T, _ = _totals(run)
     got, expected = run.out["grad"], sum(sum(r) for r in S) / T
     if _same(got, expected):
         return None
     for mistake, grad in _mistakes(run):
         if _same(got, grad):
             return f"your gradient is not the mean over all {T} valid tokens: {mistake}"
+    return _scaled(run, got, expected, T) or (
+        f"your gradient is not the mean over all {T} valid tokens (max abs difference "
+        f"{(got - expected).abs().max().item():.3g}), nor any of the usual mistakes: sum the "
+        "loss over each micro-batch's valid tokens (reduction='sum', ignore_index=-100) and "
+        "divide by the global count of valid tokens, × the world size.")
+
+
+def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str | None:
+    """What to say if ``got`` is a multiple of ``expected``: × a hard-coded world size?"""
     c = (got.dot(expected) / expected.dot(expected)).item()
-    if _same(got, c * expected):
-        k = round(c * run.size)
-        guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
-                 "dist.get_world_size(): it is not always 2."
-                 if abs(c * run.size - k) < 1e-6 and k not in (0, run.size) else "")
-        return (f"your gradients are {times_text(c)} the expected ones (the gradient of the mean "
-                f"over all {T} valid tokens): how do you scale each micro-batch's loss sum? / "
-                "the global count × the world size." + guess)
-    return (f"your gradient is not the mean over all {T} valid tokens (max abs difference "
-            f"{(got - expected).abs().max().item():.3g}), nor any of the usual mistakes: sum the"
-            " loss over each micro-batch's valid tokens (reduction='sum', ignore_index=-100) and "
-            "divide by the global count of valid tokens, × the world size.")
+    if not _same(got, c * expected):
+        return None
+    k = round(c * run.size)
+    guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
+             f"dist.get_world_size(): it is not always {k}."
+             if abs(c * run.size - k) < 1e-6 and k not in (0, run.size) else "")
+    return (f"your gradients are {evidence.times_text(c)} the expected ones (the gradient of "
+            f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
+            "sum? / the global count × the world size." + guess)
 
 
 def _ranks_differ(run: Run) -> str | None:
@@ -301,66 +260,57 @@ def _wrong_loss(run: Run) -> str | None:
                 f"{sum(n)} valid tokens is {expected:.6g}. Yours is {hint}.")
 
 
+def _count_carried(run: Run, out: dict) -> str | None:
+    """What a rank's collectives delivered of the counts no rank knows alone: "the count T"
+    (all-reduced), "every rank's count" (all-gathered), or None."""
+    _, n, T, _ = _totals(run)
+    got = evidence.delivered(out["calls"])
+    if evidence.among(torch.tensor([float(T)]), got):
+        return f"the count {T}"
+    if evidence.among(torch.tensor([float(sum(c)) for c in n]), got):
+        return "every rank's count"
+    return None
+
+
 def _count_not_carried(run: Run) -> str | None:
     """The global count is known to no rank alone: a collective must have delivered it (or
     every rank's count, as an all_gather would)."""
-    _, n, T, _ = _totals(run)
     for rank, out in enumerate(run.outs):
-        got = out["delivered"]
-        near = [any(abs(v - x) < 1e-6 for v in got) for x in [T, *(sum(c) for c in n)]]
-        if not near[0] and not all(near[1:]):
-            return (f"rank {rank}'s collectives delivered {_numbers_text(got)} "
-                    f"({calls_text(out['calls'])}), never the count of valid tokens of all the "
-                    f"ranks ({T}), nor every rank's count: exchange the count with "
-                    "dist.all_reduce, not another way.")
+        if not _count_carried(run, out):
+            return (f"rank {rank}'s collectives delivered {evidence.carried_text(out['calls'])}:"
+                    f" never the count of valid tokens of all the ranks ({_totals(run)[2]}), nor "
+                    "every rank's count. Exchange the count with dist.all_reduce, not another "
+                    "way.")
 
 
 def _synced_every_micro_batch(run: Run) -> str | None:
-    k, ddp = len(run.out["facts"]["n"]), run.out["calls"].get("ddp_bucket_allreduce", 0)
+    k, ddp = len(run.out["facts"]["n"]), run.out["counts"].get("ddp_bucket_allreduce", 0)
     if ddp > 1:
         return (f"DDP all-reduced the gradients in {ddp} backward passes: run every micro-batch "
                 "but the last inside `with model.no_sync():`, so that DDP communicates once per "
                 f"step instead of {k} times (notebook 04's accumulation pitfall).")
 
 
-def _changed(run: Run) -> str | None:
-    for rank, out in enumerate(run.outs):
-        if out["changed"]:
-            what = out["changed"][0]
-            if what == "micro_batches":
-                return (f"on rank {rank}, {run.name} changed the micro-batches it was given: "
-                        "leave the inputs and targets as they are (a copy, if you must).")
-            return (f"on rank {rank}, {run.name} changed the parameter `{what}`: compute the "
-                    "gradients only; the caller's optimizer takes the step.")
-
-
 #: In order: a wrong gradient after changed inputs is told as the changed inputs.
-DIAGNOSES = (_no_gradient, _changed, _wrong_gradient, _ranks_differ, _wrong_loss,
-             _count_not_carried, _synced_every_micro_batch)
-
-
-def _numbers_text(values: list[float]) -> str:
-    shown = ", ".join(f"{v:.4g}" for v in values[:4]) + ", ..." * (len(values) > 4)
-    return f"[{shown}]"
+DIAGNOSES = (_no_gradient, _parameters_touched, _micro_batches_touched, _wrong_gradient,
+             _ranks_differ, _wrong_loss, _count_not_carried, _synced_every_micro_batch)
 
 
 def _verified(runs: Sequence[Run]) -> str:
     parts = []
     for run in runs:
-        _, _, T, _ = _totals(run)
-        loss, delivered = run.out["loss"], run.out["delivered"]
-        carried = (f"the count {T}" if any(abs(v - T) < 1e-6 for v in delivered)
-                   else "every rank's count")
-        parts.append(f"{run.label[3:]} ({T} valid tokens, loss {loss:.4f}; collectives: "
-                     f"{calls_text(run.out['calls'])}, delivering {carried})")
+        T, out = _totals(run)[2], run.out
+        parts.append(f"{run.label[3:]} ({T} valid tokens, loss {out['loss']:.4f}; collectives: "
+                     f"{evidence.calls_text(out['counts'])}, delivering "
+                     f"{_count_carried(run, out)})")
     return ("the gradient and the loss are those of one process on every valid token, on "
-            + " and on ".join(parts) + ".")
+            + " and on ".join(parts) + "; the parameters and the micro-batches are untouched.")
 
 
-@exercise("07_which_mean.ipynb", "token_mean_backward(model, micro_batches)")
+@common.exercise("07_which_mean.ipynb", "token_mean_backward(model, micro_batches)")
 def check_token_mean_backward(token_mean_backward: Callable,
-                              world_size: int | Sequence[int] = WORLD_SIZES, *,
-                              timeout: float = CHECK_TIMEOUT) -> str:
+                              world_size: int | Sequence[int] = common.WORLD_SIZES, *,
+                              timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``token_mean_backward(model, micro_batches) -> float`` under DDP: afterwards every
     rank's ``.grad`` is the gradient of the mean over every valid token of every rank's
     micro-batches, and it returns that mean loss, the same on every rank.
@@ -371,7 +321,8 @@ def check_token_mean_backward(token_mean_backward: Callable,
     number, or several), and compares with one process on all of them. Says so if you took the
     mean per micro-batch (the 2024 accumulation bug), divided by a rank's own count, forgot the ×
     world size that DDP's division needs, counted padding, exchanged the count without a
-    collective, let DDP synchronize every micro-batch (no ``no_sync``)...
+    collective, let DDP synchronize every micro-batch (no ``no_sync``), changed the parameters
+    or the micro-batches...
 
         >>> import gradsync_tutorial as gst
         >>> def token_mean_backward(model, micro_batches):   # the mean per micro-batch: caught
@@ -386,16 +337,5 @@ def check_token_mean_backward(token_mean_backward: Callable,
     :class:`ExerciseFailed` otherwise.
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
-    sizes = (world_size,) if isinstance(world_size, int) else tuple(world_size)
-    runs: list[Run] = []
-    for size in sizes:
-        outs = run_on_ranks(_worker, token_mean_backward, size, timeout)
-        label = f"on {size} ranks × {micro_batches_at(size)} micro-batches"
-        run = Run(name_of(token_mean_backward), size, outs, label)
-        for diagnosis in DIAGNOSES:
-            message = diagnosis(run)
-            if message:
-                right = " and ".join(r.label for r in runs)
-                fail(f"{f'right {right}, but ' if right else ''}{label}: {message}")
-        runs.append(run)
-    return _verified(runs)
+    return common.on_ranks(_worker, token_mean_backward, world_size, timeout, DIAGNOSES,
+                           _verified, label=_label)
