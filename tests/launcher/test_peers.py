@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,8 +35,11 @@ def torchrun(name: str, *argv: str, nproc: int = 2) -> tuple[int, list[dict], st
          f"--nproc-per-node={nproc}", str(PROGRAMS / f"{name}.py"), *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     output = run.stdout + run.stderr
-    states = [json.loads(line.split("STATE ", 1)[1]) for line in run.stdout.splitlines()
-              if line.startswith("STATE ")]
+    # The ranks share torchrun's stdout, and two prints can land on one line
+    # ('STATE {...}STATE {...}'): decode one JSON object after each marker, not one per line.
+    decoder = json.JSONDecoder()
+    states = [decoder.raw_decode(run.stdout, found.end())[0]
+              for found in re.finditer(r"STATE (?=\{)", run.stdout)]
     return run.returncode, states, output
 
 
