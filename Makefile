@@ -7,6 +7,9 @@
 # make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
 #   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
+# make times - execute every notebook in one run, timed (full mode, on a quiet machine), and write
+#   the README's time table and the doctor's reference times from that run
+#   (scripts/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).
 # make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
@@ -16,8 +19,9 @@ STAMP  := $(VENV)/.installed
 DATA_FLAGS ?=
 PY     ?= $(BIN)/python
 NB     ?=
+TIMES_FLAGS ?=
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks images
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images times
 
 install: $(STAMP)
 
@@ -52,6 +56,9 @@ bench: data
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) scripts/notebooks.py $(NB)
+
+times: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) scripts/time_table.py $(TIMES_FLAGS)
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py
