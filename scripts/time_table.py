@@ -7,9 +7,10 @@ doctor's reference times from that run (never by hand).
     python scripts/time_table.py --against ../main   # also time that checkout's notebooks
 
 ``--against DIR`` executes, just before each notebook, the notebook of the same number in another
-checkout of the course (its own package, nothing written there), and prints each pair's times
-and their ratio: measured side by side, so the ratios mean something even on a busy machine,
-where the times themselves do not.
+checkout of the course (its own package, nothing written there), and prints each pair's wall
+times and CPU times (the kernel's and its workers', from ``getrusage``) and their ratios:
+measured side by side. On a busy machine wall times mean little (a rank waits to be scheduled
+at every collective); CPU times, the work done, much less affected, are the ratio to read.
 
 Measuring is one run on this machine, in this order: the doctor's epoch estimate
 (``gradsync_tutorial.doctor.measure_epoch``), then every notebook built from its source and
@@ -89,19 +90,18 @@ def measure(allow_load: bool = False, against: Path | None = None) -> dict:
 
     build = _notebooks_script()
     epochs = [doctor.measure_epoch().value]
-    times, theirs = {}, {}
+    times, cpu = {}, {}
     for source in build.sources(REPO):
         other = next(iter(sorted((against / "notebooks").glob(f"{source.name[:2]}_*.py"))), None) \
             if against else None
         if other is not None:
-            theirs[source.name[:2]] = _execute_elsewhere(build, other, against)
-        started = time.monotonic()
-        build.build(source, run=True)
-        times[build.notebook_of(source).name] = round(time.monotonic() - started, 1)
+            there = _timed(_execute_elsewhere, build, other, against)
+        name = build.notebook_of(source).name
+        times[name], cpu[name] = _timed(build.build, source, run=True)
         if other is not None:
-            mine, before = times[build.notebook_of(source).name], theirs[source.name[:2]]
-            print(f"  {source.name[:2]}: {before:.0f} s there, {mine:.0f} s here: "
-                  f"{mine / before:.2f}x", flush=True)
+            print(f"  {name[:2]}: wall {there[0]:.0f} s there, {times[name]:.0f} s here "
+                  f"({times[name] / there[0]:.2f}x); CPU {there[1]:.0f} s there, {cpu[name]:.0f} s "
+                  f"here ({cpu[name] / there[1]:.2f}x)", flush=True)
     epochs.append(doctor.measure_epoch().value)
     import torch
 
@@ -113,21 +113,41 @@ def measure(allow_load: bool = False, against: Path | None = None) -> dict:
                     "load_before": load, "load_after": _load()},
         "epoch_seconds": round(sum(epochs) / len(epochs), 2),
         "notebooks": times,
+        "cpu_seconds": cpu,  # the kernel's and its workers' (getrusage), for comparisons
     }
 
 
-def _execute_elsewhere(build, source: Path, checkout: Path) -> float:
-    """Seconds to execute another checkout's notebook source, full mode, its package first on
-    the kernel's path; nothing is written."""
+def _execute_elsewhere(build, source: Path, checkout: Path) -> None:
+    """Execute another checkout's notebook source, full mode, its package first on the kernel's
+    path; nothing is written."""
     nb = build.read_source(source)
     path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), path) if p)
     try:
-        started = time.monotonic()
         build.execute(nb, source.with_suffix(".ipynb"))
-        return round(time.monotonic() - started, 1)
     finally:
         os.environ["PYTHONPATH"] = path
+
+
+def _timed(fn, *args, **kwargs) -> tuple[float, float | None]:
+    """(wall seconds, CPU seconds of the processes fn started and waited for) of ``fn(...)``.
+
+    A notebook's kernel is such a process, and its workers are its children, so their CPU time
+    is counted once the kernel has ended (None where there is no ``resource``: Windows).
+    """
+    try:
+        import resource
+    except ImportError:
+        resource = None
+
+    def children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    cpu, started = children() if resource else 0.0, time.monotonic()
+    fn(*args, **kwargs)
+    wall = round(time.monotonic() - started, 1)
+    return wall, (round(children() - cpu, 1) if resource else None)
 
 
 def _load() -> float | None:
@@ -212,9 +232,8 @@ def render_doctor(text: str, record: dict) -> str:
                       lambda match: match.group(1) + entries + "}\n", text, count=1)
     if n != 1:
         raise SystemExit(f"{DOCTOR.name}: no REFERENCE_SECONDS block to write")
-    text, n = re.subn(r"^#: Measured .*$", f"#: Measured {record['measured']} by `make times` "
-                      f"(scripts/time_table.py), {m['cores']} cores{load}.", text, count=1,
-                      flags=re.M)
+    text, n = re.subn(r"^#: Measured .*$", f"#: Measured {record['measured']} by `make times`, "
+                      f"{m['cores']} cores{load}.", text, count=1, flags=re.M)
     text, k = re.subn(r"^REFERENCE_EPOCH_SECONDS = .*$",
                       f"REFERENCE_EPOCH_SECONDS = {record['epoch_seconds']}  # the same run",
                       text, count=1, flags=re.M)

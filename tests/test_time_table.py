@@ -92,4 +92,4 @@ def test_the_doctor_gets_one_entry_per_timed_notebook():
     text = table.render_doctor(doctor, RUN)
     assert '"00_a.ipynb": 19,\n    "01_b.ipynb": 131,\n    "07_new.ipynb": 61,\n}' in text
     assert "REFERENCE_EPOCH_SECONDS = 5.0  # the same run" in text
-    assert "#: Measured 2026-12-01 20:00 UTC by `make times`" in text
+    assert "#: Measured 2026-12-01 20:00 UTC by `make times`, 2 cores, load average 0.1." in text
