@@ -67,18 +67,18 @@ MIN_TORCHVISION = (0, 19)
 
 #: Each notebook's run time in seconds, executed top to bottom in full (non-smoke) mode on the
 #: reference machine: 2 CPU cores, no GPU, nothing else running. None: not measured yet.
-#: Measured 2026-12-02 00:18 UTC by `make times`, 2 cores, load average 1.3.
+#: Measured 2026-12-02 00:34 UTC by `make times`, 2 cores, load average 0.01.
 REFERENCE_SECONDS: dict[str, float | None] = {
-    "00_launching_workers.ipynb": 25,
-    "01_single_device_baseline.ipynb": 26,
-    "02_manual_allreduce_averaging.ipynb": 144,
-    "03_distributed_data_parallel.ipynb": 32,
-    "04_pitfalls.ipynb": 74,
-    "05_performance.ipynb": 107,
-    "06_from_notebook_to_torchrun.ipynb": 97,
+    "00_launching_workers.ipynb": 19,
+    "01_single_device_baseline.ipynb": 13,
+    "02_manual_allreduce_averaging.ipynb": 76,
+    "03_distributed_data_parallel.ipynb": 18,
+    "04_pitfalls.ipynb": 56,
+    "05_performance.ipynb": 69,
+    "06_from_notebook_to_torchrun.ipynb": 63,
 }
 #: :func:`measure_epoch`'s estimate of one full Fashion-MNIST epoch on the reference machine.
-REFERENCE_EPOCH_SECONDS = 34.99  # the same run
+REFERENCE_EPOCH_SECONDS = 3.57  # the same run
 
 TRAIN_IMAGES, GLOBAL_BATCH = 60_000, 256
 TIMING_STEPS = 40  # at most this many timed training steps, after WARMUP_STEPS; their median
