@@ -14,6 +14,9 @@
 # make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
 #   checks of notebooks 01-03 and 07-09 on the GPUs, one table for the README (~10 min; every
 #   part skipped, with the reason, without a GPU). PY= as for make notebooks.
+# make times - execute every notebook in one run, timed (full mode, on a quiet machine), and write
+#   the README's time table and the doctor's reference times from that run
+#   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).
 # make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
@@ -25,8 +28,9 @@ PY     ?= $(BIN)/python
 NB     ?=
 LAB_ARGS ?=
 SITE_STAMP := $(VENV)/.installed-site
+TIMES_FLAGS ?=
 
-.PHONY: install lab test e2e data doctor bench lint clean notebooks images site gpu-check
+.PHONY: install lab test e2e data doctor bench lint clean notebooks images site gpu-check times
 
 install: $(STAMP)
 
@@ -73,6 +77,9 @@ site: $(if $(filter $(BIN)/python,$(PY)),$(SITE_STAMP))
 
 gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) -m tests.gpu.check
+
+times: $(if $(filter $(BIN)/python,$(PY)),data)
+	$(PY) tools/time_table.py $(TIMES_FLAGS)
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 	$(PY) images/draw_allreduce.py

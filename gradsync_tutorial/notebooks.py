@@ -25,8 +25,9 @@ import difflib
 import inspect
 import json
 import linecache
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["count_changes", "function_source", "load_function", "notebook_path", "show_diff"]
 
@@ -77,16 +78,24 @@ def function_source(notebook: str, name: str) -> str:
     return "\n".join(lines[first - 1 : node.end_lineno]) + "\n"
 
 
-def load_function(notebook: str, name: str, requires: Sequence[str] = ()) -> Callable:
+def load_function(notebook: str, name: str, requires: Sequence[str] = (),
+                  settings: Mapping[str, Any] | None = None) -> Callable:
     """Run a notebook's first code cell (its settings and imports), the definitions of the
     functions it ``requires`` and the function's own, in a namespace of their own; return it.
 
     So notebook 02 can run notebook 01's ``train`` as notebook 01 wrote it, with notebook 01's
-    settings. The function can be sent to ``gst.launch`` like one defined in a cell.
+    settings. ``settings`` replaces some of them after the first cell ran, for example
+    ``{"N_TRAIN": 12_288}`` to train on the images the calling notebook uses. The function can
+    be sent to ``gst.launch`` like one defined in a cell.
     """
     namespace: dict = {"__name__": f"notebook_{Path(notebook).stem}"}
     setup = _code_cells(notebook)[0]
     exec(compile(setup, f"<{notebook}: first cell>", "exec"), namespace)  # noqa: S102
+    unknown = sorted(set(settings or {}) - set(namespace))
+    if unknown:
+        raise KeyError(f"notebook {notebook}'s first cell sets no {', '.join(unknown)}: "
+                       "settings= can only replace a setting the notebook has.")
+    namespace.update(settings or {})
     for needed in [*requires, name]:
         code = function_source(notebook, needed)
         filename = f"<{notebook}: {needed}>"

@@ -4,18 +4,19 @@
 # **Question: how do I run one training function on several processes, from a notebook cell?**
 #
 # Every later notebook trains a model on *N ranks*: N processes, each with its own copy of the
-# model, talking through `torch.distributed`. On a cluster you start them with `torchrun`. In a
-# notebook we need a launcher that runs a function *defined in a cell* on N fresh processes,
-# shows what each one prints, and brings back what each one returns. This notebook shows why the
-# obvious tool fails, then the one this course uses: `gst.launch`.
+# model, talking through `torch.distributed`. A **rank** is one of these processes, numbered 0 to
+# N−1; N is the **world size**. On a cluster you start them with `torchrun`. In a notebook we
+# need a launcher that runs a function *defined in a cell* on N fresh processes, shows what each
+# one prints, and brings back what each one returns. This notebook shows why the obvious tool
+# fails, then the one this course uses: `gst.launch`.
 #
-# The words this course uses (rank, world size, process group, backend, collective, rendezvous,
-# bucket) are defined in the README's [glossary](../README.md#glossary).
+# Each new word is defined where it first appears, in **bold**; the README's
+# [glossary](../README.md#glossary) collects them all.
 
 # %%
 import os
 
-SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: shorter runs, same checks
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; try 4
 
 import tempfile
@@ -60,8 +61,7 @@ assert spawn_failed
 # Once one child has died, `spawn` stops the other, and torch may log a warning that it did so
 # (`via signal SIGTERM`). The last line each child wrote is the cause:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 children_stderr.seek(0)
 lines = children_stderr.read().decode().splitlines()
 causes = {line for line in lines if line.startswith("AttributeError")}  # the same in both
@@ -70,9 +70,17 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 
 
 # %% [markdown]
-# `fork` would avoid pickling (Accelerate's `notebook_launcher` forks), but forking a process
-# that has initialized CUDA is unsafe, Windows has no `fork`, macOS discourages it, and Python
-# 3.14 no longer uses it by default.
+# `fork` would avoid pickling: the child is a copy of the kernel, cells included. Accelerate's
+# `notebook_launcher` does that (`start_processes(..., start_method="fork")` in
+# [`accelerate/launchers.py`](https://github.com/huggingface/accelerate/blob/main/src/accelerate/launchers.py),
+# which refuses to start once `torch.cuda` is initialized). But a forked child cannot use CUDA
+# once the parent has initialized it: torch's own error says "Cannot re-initialize CUDA in
+# forked subprocess. To use CUDA with multiprocessing, you must use the 'spawn' start method".
+# And Python's
+# [multiprocessing documentation](https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods)
+# lists `fork` as POSIX only (not on Windows), has made *spawn* the default on macOS since 3.8
+# ("The *fork* start method should be considered unsafe as it can lead to crashes of the
+# subprocess"), and changed the POSIX default from *fork* to *forkserver* in Python 3.14.
 #
 # ## `gst.launch`: fresh processes, the function sent by value
 #
@@ -81,12 +89,16 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 #
 # 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
 #    `MASTER_ADDR`, `MASTER_PORT`, ...),
-# 2. calls `dist.init_process_group()` (gloo on CPUs; nccl when there is a GPU per rank),
+# 2. calls `dist.init_process_group()`, which creates the **process group**: the set of ranks
+#    that communicate together, and the connections between them. Its **backend** is the
+#    library that moves the tensors: gloo on CPUs, nccl when there is one NVIDIA GPU per rank
+#    (this machine's is printed further down; every committed output of the course ran on gloo),
 # 3. runs `fn(rank, world_size)`, and sends back its return value.
 #
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the
 # "hello world" of distributed training: every rank contributes a number, and **every rank
-# receives the sum**.
+# receives the sum**. `all_reduce` is a **collective**: an operation that every rank of the
+# group must call, each with its own tensor; it returns when all of them have.
 
 # %%
 def hello_allreduce(rank, world_size):
@@ -102,8 +114,7 @@ results = gst.launch(hello_allreduce, world_size=WORLD_SIZE)
 # The lines come in whatever order the ranks print them. The return values come back as a list
 # ordered by rank: every rank holds the same sum, 1 + 2 + ... + N.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print(results)
 assert results == [WORLD_SIZE * (WORLD_SIZE + 1) / 2] * WORLD_SIZE
 
@@ -121,7 +132,8 @@ assert results4 == [10.0] * 4
 # ## Each rank sees what `torchrun` would give it
 #
 # Code written in a cell moves to a `torchrun` script unchanged, because the worker's
-# environment is torchrun's:
+# environment is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**: where the
+# ranks find each other when the job starts (the same for every rank):
 
 # %%
 def environment(rank, world_size):
@@ -147,7 +159,6 @@ print("backend:", envs[0]["backend"])
 # exception and the line that raised it, so you can fix it from the message alone.
 
 # %% tags=["raises-exception"]
-# NBVAL_RAISES_EXCEPTION
 def buggy(rank, world_size):
     t = torch.ones(3)
     if rank == 1:
@@ -160,8 +171,7 @@ gst.launch(buggy, world_size=WORLD_SIZE)
 # %% [markdown]
 # The error is a `gst.RankFailedError`; you can catch it and look at it:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 try:
     gst.launch(buggy, world_size=WORLD_SIZE)
 except gst.RankFailedError as err:
@@ -172,7 +182,7 @@ except gst.RankFailedError as err:
 # %% [markdown]
 # A **hang** is the other classic failure: one rank waits in a collective that another rank
 # never calls. `launch` has a wall-clock `timeout` (default 300 s); past it, every rank is
-# stopped and the error names the ranks that were stuck:
+# stopped, and the error names the ranks that were stuck and says where each one was waiting:
 
 # %%
 def skips_a_collective(rank, world_size):
@@ -183,8 +193,8 @@ def skips_a_collective(rank, world_size):
 try:
     gst.launch(skips_a_collective, world_size=WORLD_SIZE, timeout=5)
 except gst.LaunchTimeoutError as err:
-    print(str(err)[:120], "...")
-    assert err.unfinished == [0]
+    print(err)  # the whole message: the line each rank was waiting on comes after the first
+    assert err.unfinished == [0] and "Where each rank was:" in str(err)
 
 
 # %% [markdown]

@@ -12,7 +12,7 @@
 # %%
 import os
 
-SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # not used here: this notebook is the 1-process reference
 
 SEED = 1234
@@ -20,8 +20,6 @@ GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
 LR, MOMENTUM = 0.01, 0.5  # the classic example's SGD settings
 EPOCHS = 1 if SMOKE_TEST else 2
 N_TRAIN = 4096 if SMOKE_TEST else None  # None: all 60,000 training images
-
-import time
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +47,7 @@ print(f"train {tuple(images[:N_TRAIN].shape)}, test {tuple(test_images.shape)}, 
 # The model is the small CNN of PyTorch's "Writing Distributed Applications" tutorial:
 # two convolutions, dropout, two linear layers (`gst.model.Net`).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 torch.manual_seed(SEED)
 print(gst.model.Net())
 print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
@@ -64,9 +61,9 @@ print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
 # `SEED + epoch`, so any process can recompute it. Each step takes the next 256 indices of that
 # order. (This is how `DistributedSampler` shuffles too, as notebook 03 shows.)
 #
-# Two switches are for comparing runs number by number in notebook 02: `dropout=False` turns
-# dropout's random masks off, `dtype=torch.float64` makes rounding errors a billion times
-# smaller. The lesson trains with the defaults.
+# Two switches are for notebook 02, which compares runs number by number and explains why it
+# needs them: `dropout=False` turns dropout's random masks off, `dtype=torch.float64` computes
+# in double precision. The lesson trains with the defaults.
 
 # %% tags=["training-loop"]
 def train(epochs, lr=LR, dropout=True, dtype=torch.float32):
@@ -100,14 +97,13 @@ def accuracy(state, images, labels):
 
 
 # %% [markdown]
-# Train on one device: a GPU if there is one, else the CPU.
+# Train on one device: a GPU if there is one, else the CPU. (How long it takes depends on the
+# machine: `make doctor` prints this machine's time for one epoch.)
 
 # %%
-start = time.perf_counter()
 baseline = train(EPOCHS)
-seconds = time.perf_counter() - start
 baseline_accuracy = accuracy(baseline["state"], test_images, test_labels)
-print(f"{EPOCHS} epochs in {seconds:.1f} s on {gst.local_device()}: "
+print(f"{EPOCHS} epochs on {gst.local_device()}: "
       f"last loss {baseline['losses'][-1]:.3f}, test accuracy {baseline_accuracy:.1%}")
 
 # %% [markdown]
@@ -135,8 +131,7 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 # the baseline's first epoch, bit for bit. (On a GPU, only with deterministic kernels: the first
 # cell asks cuDNN for them.)
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 again = train(1)
 print("identical loss histories over the first epoch:", again["losses"] == losses[:steps_per_epoch])
 assert again["losses"] == losses[:steps_per_epoch]

@@ -13,19 +13,20 @@
 # %%
 import os
 
-SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
 
 SEED = 1234
 GLOBAL_BATCH = 256  # samples per optimizer step, summed over all ranks
 LR, MOMENTUM = 0.01, 0.5  # the classic example's SGD settings
 EPOCHS = 1 if SMOKE_TEST else 2
-N_TRAIN = 4096 if SMOKE_TEST else None  # None: all 60,000 training images
+N_TRAIN = 4096 if SMOKE_TEST else 12_288  # images per epoch, as in notebook 02 (DDP = manual
+# averaging is an identity: a few thousand images prove it as well as 60,000)
 
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
 
@@ -72,7 +73,10 @@ assert repeated == list(range(len(drawn) - size))  # the first ones, once more
 assert len(images) % WORLD_SIZE == 0  # the lesson's data: no repeats
 
 # %% [markdown]
-# (`drop_last=True` drops the extra samples instead of repeating some.)
+# (`drop_last=True` drops the extra samples instead of repeating some. Both are in
+# `DistributedSampler`'s documentation: "If `False`, the sampler will add extra indices to make
+# the data evenly divisible across the replicas." Evaluation has to care: see "Evaluating on N
+# ranks" below.)
 #
 # ## The training loop with DDP
 #
@@ -107,7 +111,8 @@ def train(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32):
 
 # %%
 train_02 = gst.notebooks.load_function("02_manual_allreduce_averaging", "train",
-                                       requires=["average_gradients"])
+                                       requires=["average_gradients"],
+                                       settings={"N_TRAIN": N_TRAIN})  # on this notebook's images
 changes = gst.notebooks.show_diff(train_02, train, names=("02: train", "03: train"))
 assert changes == 6
 
@@ -147,28 +152,31 @@ assert gst.checks.compare_ranks([r["state"] for r in ddp], show=False) == 0.0
 print("DDP's replicas are identical across ranks")
 
 # %% [markdown]
-# The two loss curves lie on top of each other, so the right panel draws their difference.
+# The two loss curves lie on top of each other (the dashed line is manual averaging); how far
+# apart they are, step by step, is printed under the plot.
 
 # %% tags=["image:loss_curves_ddp.png"]
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-gst.plots.plot_loss_curves(
+fig = gst.plots.plot_loss_curves(
     {"DDP, rank 0": ddp[0]["losses"]},
     baseline={"manual averaging (notebook 02), rank 0": manual[0]["losses"]},
-    title=f"DDP vs manual averaging, {WORLD_SIZE} ranks", ax=left,
+    title=f"DDP vs manual averaging, {WORLD_SIZE} ranks",
 )
 gaps = [abs(a - b) for a, b in zip(ddp[0]["losses"], manual[0]["losses"], strict=True)]
-right.plot(gaps, color="C0", label="|DDP - manual|, rank 0's loss")
-right.set(xlabel="step", ylabel="absolute difference", title="DDP minus manual, step by step")
-right.legend()
 print(f"max |DDP - manual| over every step's loss: {max(gaps):.2g}")
 
 # %% [markdown]
 # ## Inside DDP: 1/N first, then one `all_reduce` per bucket
 #
-# DDP's default communication hook, `allreduce_hook`, divides each bucket by N and then calls
-# `all_reduce(SUM)`. Spelled out below as our own hook, with a record of what it sees. Each
-# rank's hook receives one bucket: all 21,840 gradients of this small model, flattened. If this
-# is what DDP does, registering it changes nothing, bit for bit.
+# With no hook registered, DDP's built-in reduction multiplies each gradient by 1/N as it copies
+# it into its bucket, then calls `all_reduce(SUM)` on the bucket. A **communication hook**
+# replaces that step: DDP hands it each filled bucket (`bucket.buffer()`, the gradients
+# flattened, not yet scaled) and takes back a `torch.futures.Future` of the reduced bucket.
+# `dist.all_reduce(buffer, async_op=True)` starts the call and returns a handle at once,
+# `.get_future()` turns the handle into a future, and `.then(fn)` says what the future's value
+# is when the call has finished: here the reduced buffer itself (notebook 05 uses hooks for
+# more). Below, DDP's reduction spelled out as our own hook, with a record of what it sees. Each
+# rank's hook receives one bucket: all 21,840 gradients of this small model. If this is what DDP
+# does, registering it changes nothing, bit for bit.
 
 # %%
 def ddp_gradients(rank, world_size, batch, hook=None):
@@ -177,15 +185,17 @@ def ddp_gradients(rank, world_size, batch, hook=None):
     model = DDP(gst.model.Net().to(device).eval())  # eval: dropout off
     seen = []
 
-    def scale_then_sum(state, bucket):  # DDP's default hook, spelled out
+    def scale_then_sum(state, bucket):  # DDP's built-in reduction, spelled out
         buffer = bucket.buffer()  # this rank's gradients, flattened into one bucket
         local = buffer.clone()
-        buffer.div_(dist.get_world_size())  # 1/N first...
+        buffer.mul_(1 / dist.get_world_size())  # 1/N first...
         seen.append({"local": local, "sent": buffer.clone()})
         fut = dist.all_reduce(buffer, async_op=True).get_future()  # ...then the sum
         return fut.then(lambda f: f.value()[0])
 
-    if hook:
+    if hook == "allreduce_hook":  # PyTorch's Python hook: divides the bucket by N
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    elif hook:
         model.register_comm_hook(None, scale_then_sum)
     images, labels = gst.data.load(train=True)
     idx = batch[rank::world_size]
@@ -207,10 +217,26 @@ mean = torch.stack(local).mean(0)
 final = torch.cat([g.flatten() for g in hooked[0]["grads"].values()])
 print(f"buckets per step: {len(buckets)}, holding {buckets[0]['local'].numel()} gradients")
 print(f"max |what each rank sends - its gradient / {WORLD_SIZE}| = {scaled:.2g}")
-print(f"our hook vs DDP's default, max |gradient difference| = {same:.2g}")
+print(f"our hook vs DDP's built-in reduction, max |gradient difference| = {same:.2g}")
 assert len(buckets) == 1 and buckets[0]["local"].numel() == 21840
 assert scaled == 0.0 and same == 0.0
 assert torch.allclose(final.sort().values, mean.sort().values, atol=1e-7)  # the mean, reordered
+
+# %% [markdown]
+# With 2 ranks, multiplying by 1/2 and dividing by 2 are the same (1/2 is exact). With 3 they
+# are not: 1/3 is rounded. On 3 ranks, our hook against DDP's built-in reduction, and PyTorch's
+# own `default_hooks.allreduce_hook`, which divides the bucket by N instead:
+
+# %%
+three = {hook: gst.launch(ddp_gradients, world_size=3, args=(batch, hook))[0]["grads"]
+         for hook in (None, True, "allreduce_hook")}
+flat = {hook: torch.cat([g.flatten() for g in grads.values()]) for hook, grads in three.items()}
+ours = (flat[True] != flat[None]).sum().item()
+divided = (flat["allreduce_hook"] != flat[None]).sum().item()
+print(f"3 ranks, gradients that differ from DDP's built-in reduction: our hook (x 1/N) {ours}, "
+      f"allreduce_hook (/ N) {divided:,} of {len(flat[None]):,} "
+      f"(max {(flat['allreduce_hook'] - flat[None]).abs().max():.1e})")
+assert ours == 0 < divided
 
 # %% [markdown]
 # ## DDP broadcasts rank 0's weights at construction
@@ -230,6 +256,62 @@ def seeded_apart(rank, world_size):
 before, after = gst.launch(seeded_apart, world_size=WORLD_SIZE)[0]
 print(f"max difference between ranks: before DDP(model) {before:.2g}, after {after:.2g}")
 assert before > 0.1 and after == 0.0
+
+
+# %% [markdown]
+# ## Evaluating on N ranks: count every sample once
+#
+# Evaluation can be split across the ranks too, each scoring its part of the test set. Two
+# things make the naive version wrong. `DistributedSampler` pads the ranks' parts to equal
+# length by **repeating** samples (above), so the repeated ones are counted twice; and the mean
+# of the ranks' accuracies weighs ranks, not samples, whenever their parts differ in size. Here
+# the trained DDP model on a test set whose size no number of ranks from 2 to 4 divides, the
+# first 1,001 test images: the naive way (`DistributedSampler`, the mean of the ranks'
+# accuracies), and the fix, each sample on exactly one rank (`order[rank::N]`, unequal parts)
+# and one `all_reduce` of the number correct *and* the number scored:
+
+# %%
+N_EVAL = 1_001
+
+def evaluate(rank, world_size, state, fix):
+    device = gst.local_device()
+    model = gst.model.Net().to(device).eval()
+    model.load_state_dict(state)
+    images, labels = gst.data.load(train=False)
+    if fix:  # every sample on exactly one rank: parts of 501 and 500 on 2 ranks
+        idx = torch.arange(N_EVAL)[rank::world_size]
+    else:  # the training sampler: padded, so some samples are scored twice
+        idx = torch.tensor(list(DistributedSampler(range(N_EVAL), world_size, rank,
+                                                   shuffle=False)))
+    with torch.no_grad():
+        correct = (model(images[idx].to(device)).argmax(1) == labels[idx].to(device)).sum()
+    totals = torch.stack([correct.float(), torch.tensor(float(len(idx)), device=device)])
+    dist.all_reduce(totals)  # [correct, scored] over all ranks
+    if fix:
+        accuracy = totals[0] / totals[1]  # correct over all ranks / scored over all ranks
+    else:  # the mean of the ranks' own accuracies
+        accuracy = correct.float() / len(idx)
+        dist.all_reduce(accuracy)
+        accuracy /= world_size
+    return {"accuracy": accuracy.item(), "correct": int(totals[0]), "scored": int(totals[1])}
+
+state = ddp[0]["state"]
+naive = gst.launch(evaluate, world_size=WORLD_SIZE, args=(state, False))[0]
+fixed = gst.launch(evaluate, world_size=WORLD_SIZE, args=(state, True))[0]
+
+# %%
+test_images, test_labels = gst.data.load(train=False)
+one_process = gst.model.Net().eval()
+one_process.load_state_dict(state)
+with torch.no_grad():
+    correct = (one_process(test_images[:N_EVAL]).argmax(1) == test_labels[:N_EVAL]).sum().item()
+print(f"one process: {correct} of {N_EVAL} correct, accuracy {correct / N_EVAL:.6f}")
+for name, r in [("DistributedSampler, mean of the ranks", naive),
+                ("each sample once, all_reduce", fixed)]:
+    print(f"{name:38}: {r['scored']} predictions scored, accuracy {r['accuracy']:.6f}")
+assert naive["scored"] > N_EVAL and naive["accuracy"] != correct / N_EVAL  # counted twice
+assert fixed["scored"] == N_EVAL and fixed["correct"] == correct  # each sample once
+assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 
 
 # %% [markdown]
@@ -321,13 +403,14 @@ assert before > 0.1 and after == 0.0
 # and every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter
 # itself (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each of 2 ranks from a different seed, calls your function and compares
+# The check below starts each of 3 ranks from a different seed, calls your function and compares
 # the ranks. It prints "✓ correct", or fails with what is wrong; until you write the function,
 # it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a new cell.
 #
-# Then use it: call `broadcast_parameters(model)` in `train` right after the model is built, and
-# train with `use_ddp=False, seed_per_rank=True`: `gst.checks.compare_ranks` now finds identical
-# replicas, as with DDP.
+# Then use it in training, not checked: copy notebook 02's `train` into a cell, seed with
+# `torch.manual_seed(SEED + rank)` instead of `SEED` (the bug), and call
+# `broadcast_parameters(model)` right after the model is built. Launch it on `WORLD_SIZE` ranks:
+# `gst.checks.compare_ranks` on the returned states finds identical replicas, as with DDP.
 
 # %%
 def broadcast_parameters(model):

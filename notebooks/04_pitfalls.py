@@ -28,7 +28,7 @@
 # %%
 import os
 
-SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
 
 SEED = 1234
@@ -38,7 +38,7 @@ EPOCHS = 1
 N_TRAIN = 2048 if SMOKE_TEST else 16384  # every bug shows within a few steps
 HANG_TIMEOUT = 5  # seconds; each reproduction takes well under one, so longer means a hang
 
-import statistics
+import re
 import time
 from datetime import timedelta
 from functools import partial
@@ -67,8 +67,7 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # logs: by default, this rank's own loss, as in notebook 02.
 
 # %%
-# Deliberate lesson copy: the package's one is gst.averaging.average_per_parameter.
-def average_gradients(model):  # notebook 02
+def average_gradients(model):  # notebook 02's, the code under test
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.grad is None:
@@ -156,8 +155,7 @@ def one_gradient(rank, world_size, divide):
 summed = gst.launch(one_gradient, WORLD_SIZE, args=(False,))[0]
 mean = gst.launch(one_gradient, WORLD_SIZE, args=(True,))[0]
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 ratio = (summed.norm() / mean.norm()).item()
 print(f"|gradient without dividing| / |mean gradient| = {ratio:.4f} (world size {WORLD_SIZE})")
 assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
@@ -362,7 +360,10 @@ print("  with set_epoch:   ", *[order[:4] for order in reshuffled[0]])
 # Here the last global batch of an epoch: every rank gets its full share but the last, which
 # gets 8 samples. The fix reduces the **sum** of the losses and the **count** together, and
 # divides once. For the gradient, each rank differentiates its loss sum divided by the global
-# count, and the ranks **sum** (not average) the gradients.
+# count, and the ranks **sum** (not average) the gradients. The same bug with losses averaged
+# over tokens (padding, `ignore_index`, sequences of different lengths) and across
+# gradient-accumulation micro-batches, and its fix, are the subject of
+# [notebook 07](07_which_mean.ipynb).
 
 # %%
 def uneven_step(rank, world_size, weighted):
@@ -454,7 +455,7 @@ assert batches_per_rank == [5] + [4] * (WORLD_SIZE - 1)
 try:
     gst.launch(partial(train, n=N_UNEVEN), WORLD_SIZE, timeout=HANG_TIMEOUT)
 except gst.LaunchTimeoutError as err:
-    print(str(err)[:130], "...")
+    print(err)
     assert err.unfinished == [0]
 
 # %% [markdown]
@@ -495,8 +496,30 @@ else:
 try:
     gst.launch(partial(train, n=N_UNEVEN, check_steps=True), WORLD_SIZE)
 except gst.RankFailedError as err:
-    print(str(err).splitlines()[0][:160], "...")
+    print(str(err).splitlines()[0])  # the first line: which rank raised, and the check's message
     assert "the ranks disagree on batches per epoch: rank 0: 5, rank 1: 4" in str(err)
+
+# %% [markdown]
+# **Detect, with torch alone**: `dist.monitored_barrier(timeout=...)` is a barrier that names the
+# ranks that did not arrive in time. Its documentation says it "can have a performance impact and
+# should only be used for debugging", and that it "is only supported with the GLOO backend".
+# Called at the top of every step of the uneven shards above, it turns rank 0's fifth step into
+# an error in 2 seconds that names rank 1:
+
+# %%
+def steps_with_a_monitored_barrier(rank, world_size):
+    batches = torch.arange(N_UNEVEN)[rank::world_size].split(GLOBAL_BATCH // world_size)
+    for _ in batches:
+        dist.monitored_barrier(timeout=timedelta(seconds=2))  # the check: is every rank here?
+        ...  # the step: forward, backward, all_reduce, optimizer step
+    return len(batches)
+
+
+try:
+    gst.launch(steps_with_a_monitored_barrier, WORLD_SIZE, timeout=60)
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0])
+    assert err.rank == 0 and "Rank 1 failed to pass monitoredBarrier in 2000 ms" in str(err)
 
 
 # %% [markdown]
@@ -506,31 +529,47 @@ except gst.RankFailedError as err:
 # samples would still give 2 and 1 full batches of 128.) With DDP you may instead keep uneven
 # shards and wrap the loop in `Join`: a rank that runs out of batches keeps answering the others'
 # all-reduces (with zero gradients) until all are done, and at the end DDP copies the parameters
-# of the last rank to finish to every rank. (The optimizer state of a rank that stopped early
-# still misses its last steps.)
+# of the last rank to finish to every rank. Two things it does not make equal, measured below:
+# in those last steps DDP still divides by the *initial* world size, so a step taken by fewer
+# ranks is scaled down (its `divide_by_initial_world_size=False` divides by the ranks still
+# active instead); and the optimizer state (here SGD's momentum) of a rank that stopped early
+# misses the last steps.
 
 # %%
-def train_join(rank, world_size, n=N_UNEVEN):
+def train_join(rank, world_size, n=N_UNEVEN, divide_by_initial_world_size=True):
     torch.manual_seed(SEED)
     device = gst.local_device()
-    model = DDP(gst.model.Net().to(device))
+    model = DDP(gst.model.Net().to(device).eval())  # eval: no dropout, exact comparisons
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     images, labels = gst.data.load(train=True)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED))
     batches = order[rank::world_size].split(GLOBAL_BATCH // world_size)  # still uneven
-    with Join([model]):  # the fix: finished ranks shadow the others' all-reduces
-        for idx in batches:
+    fewest = torch.tensor(len(batches), device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # the steps that every rank takes
+    scale = None  # in a step after the others ended: |DDP's gradient| / |this rank's own|
+    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):  # the fix
+        for step, idx in enumerate(batches):
             x, y = images[idx].to(device), labels[idx].to(device)
             optimizer.zero_grad()
+            if step >= fewest:  # the others have ended: what would this rank's gradient be?
+                alone = gst.model.Net().to(device).eval()  # a copy, outside DDP
+                alone.load_state_dict(model.module.state_dict())
+                F.nll_loss(alone(x), y).backward()
             F.nll_loss(model(x), y).backward()
+            if step >= fewest:
+                scale = (model.module.fc2.bias.grad.norm() / alone.fc2.bias.grad.norm()).item()
             optimizer.step()
-    return {"steps": len(batches), "rank_diff": gst.checks.max_diff_across_ranks(model.module)}
+    momentum = [(name, optimizer.state[p]["momentum_buffer"])
+                for name, p in model.module.named_parameters()]
+    return {"steps": len(batches), "rank_diff": gst.checks.max_diff_across_ranks(model.module),
+            "momentum_diff": gst.checks.max_diff_across_ranks(momentum), "last_scale": scale}
 
 
 # %%
 padded = gst.launch(partial(train, n=N_UNEVEN, sharding="pad", check_steps=True), WORLD_SIZE)
 cut = gst.launch(partial(train, n=N_UNEVEN, sharding="drop_last", check_steps=True), WORLD_SIZE)
 joined = gst.launch(train_join, WORLD_SIZE)
+joined_active = gst.launch(partial(train_join, divide_by_initial_world_size=False), WORLD_SIZE)
 
 # %%
 for name, result in [("padded", padded), ("drop_last", cut)]:
@@ -540,6 +579,14 @@ for name, result in [("padded", padded), ("drop_last", cut)]:
 print(f"Join     : steps per rank {[r['steps'] for r in joined]}, replicas equal at the end")
 assert [r["steps"] for r in joined] == batches_per_rank
 assert all(r["rank_diff"] == 0.0 for r in joined)
+for name, runs in [("True (default)", joined), ("False", joined_active)]:
+    print(f"  divide_by_initial_world_size={name}: rank 0's step 5, the others done: its "
+          f"gradient is {runs[0]['last_scale']:.3f} x its own")
+print("  momentum buffers after Join, max difference between ranks: "
+      f"{joined[0]['momentum_diff']:.2g}")
+assert abs(joined[0]["last_scale"] - 1 / WORLD_SIZE) <= 1e-5  # divided by the initial N
+assert abs(joined_active[0]["last_scale"] - 1) <= 1e-5  # divided by the 1 rank still active
+assert joined[0]["momentum_diff"] > 0  # rank 0's momentum saw a step that rank 1's did not
 
 
 # %% [markdown]
@@ -565,24 +612,24 @@ def log_final_loss(rank, world_size, every_rank_reduces):
 try:
     gst.launch(log_final_loss, WORLD_SIZE, args=(False,), timeout=HANG_TIMEOUT)
 except gst.LaunchTimeoutError as err:
-    print(str(err)[:130], "...")
+    print(err)
     assert err.unfinished == [0]
 
 
 # %% [markdown]
 # Inside a training loop the same bug fails differently: rank 0's extra `all_reduce` pairs with
-# the other ranks' *next* call, the gradient of the first parameter. The sizes differ, and
-# depending on timing gloo aborts ("Received data size doesn't match expected size") or the
-# ranks hang:
+# the other ranks' *next* call, the gradient of the first parameter. The sizes differ, and what
+# happens then is up to the backend and to timing. In this run:
 
 # %%
 def log_inside_the_loop(rank, world_size):
     torch.manual_seed(SEED)
     device = gst.local_device()
     model = gst.model.Net().to(device)
-    images, labels = gst.data.load(train=True)
-    idx = torch.arange(GLOBAL_BATCH)[rank::world_size]
-    loss = F.nll_loss(model(images[idx].to(device)), labels[idx].to(device))
+    g = torch.Generator().manual_seed(rank)  # random images: the data do not matter here
+    x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, generator=g).to(device)
+    y = torch.randint(10, (GLOBAL_BATCH // world_size,), generator=g).to(device)
+    loss = F.nll_loss(model(x), y)
     loss.backward()
     if rank == 0:
         dist.all_reduce(loss.detach().clone())  # the bug: only rank 0 reduces its loss
@@ -590,14 +637,50 @@ def log_inside_the_loop(rank, world_size):
 
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 try:
     gst.launch(log_inside_the_loop, WORLD_SIZE, timeout=HANG_TIMEOUT, show_ranks=[])  # quiet
 except (gst.RankFailedError, gst.LaunchTimeoutError) as err:
-    first_line = str(err).splitlines()[0]
-    print(type(err).__name__ + ":", first_line.split("] ")[-1][:200])  # without gloo's file path
+    print(f"{type(err).__name__}: {err}")
 else:
     raise AssertionError("an extra all_reduce on rank 0 should fail")
+
+# %% [markdown]
+# **Detect, with torch alone**: run the job once with the environment variable
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL`. Then, in the words of torch's
+# [documentation](https://docs.pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications),
+# every collective gets "additional consistency and synchronization checks", "by ensuring all
+# collective functions match and are called with consistent tensor shapes. If this is not the
+# case, a detailed error report is included when the application crashes, rather than a hang or
+# uninformative error message." It is read when the process group is created, so set it before
+# the job starts (`TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...`); here, for fresh workers:
+
+# %%
+def with_detail_checks(fn, *args):
+    """Launch fn on fresh workers started with TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    try:
+        return gst.launch(fn, WORLD_SIZE, args=args, timeout=60, show_ranks=[],
+                          reuse_workers=False)
+    finally:
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+
+
+try:
+    with_detail_checks(log_inside_the_loop)
+except gst.RankFailedError as err:
+    failures = err.failures  # every rank's own error
+else:
+    raise AssertionError("DETAIL should report the mismatched collectives")
+own_call = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber="
+                      r"(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\]")
+print(f"every rank raised: {failures[0].message.split('. ')[0]}; each names its own call:")
+shapes = {}
+for rank in sorted(failures):
+    _, number, op, shapes[rank] = own_call.search(failures[rank].message).groups()
+    print(f"  rank {rank}: its collective number {number} is {op} of a tensor of shape "
+          f"[{shapes[rank]}]")
+assert all("Detected mismatch between collectives" in f.message for f in failures.values())
+assert shapes == {0: "", **{r: "10, 1, 5, 5" for r in range(1, WORLD_SIZE)}}  # loss; conv1.weight
 
 # %% [markdown]
 # When the shapes happen to match, nothing fails at all: each rank adds whatever tensor the
@@ -645,6 +728,24 @@ for swap in (False, True):
 # The replicas then drift apart, so `gst.checks.assert_replicas_equal(model)` after a step
 # (the different-weights pitfall) catches it; `gst.detect.count_collectives()` counts the calls
 # each rank makes through `dist.<name>`, for the case where their number differs.
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` does not catch this one: it compares each call's operation and
+# shapes, and here they agree:
+
+# %%
+error, ranks = wrong_by(with_detail_checks(mismatched_order, True))
+print(f"rank 1 swapped, TORCH_DISTRIBUTED_DEBUG=DETAIL: no error; max |averaged - true mean| "
+      f"{error:.1e}, max difference between ranks {ranks:.1e}")
+assert min(error, ranks) > 1e-3
+
+# %% [markdown]
+#
+# **On GPUs (NCCL)**, the same environment variable works, and a hang ends at the process
+# group's timeout (above). NCCL's **flight recorder** records the last collectives of every rank
+# and writes them to a file when that timeout hits; per PyTorch's
+# [Flight Recorder tutorial](https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html),
+# `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` (the number of entries kept) and
+# `TORCH_NCCL_DUMP_ON_TIMEOUT=true` turn it on, and an analyzer script compares the ranks' records
+# to find the rank and the call where they diverged. (Not run here: it needs NCCL, that is GPUs.)
 #
 # **Fix**: call the collective on every rank, and branch only around the printing. Counted, every
 # rank now makes the same calls:
@@ -656,8 +757,7 @@ def log_final_loss_counted(rank, world_size):
     return mean_loss, calls.total
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 results = gst.launch(log_final_loss_counted, WORLD_SIZE)
 print("(mean loss, collective calls) per rank:", results)
 assert results == [((WORLD_SIZE + 1) / 2, 1)] * WORLD_SIZE
@@ -681,7 +781,7 @@ class WithUnusedHead(nn.Module):
         return out + self.aux_head(out) if use_aux else out
 
 
-def tutorial_average_gradients(model):  # the tutorial's original, with no check for None
+def tutorial_average_gradients(model):  # the tutorial's, ReduceOp for reduce_op: no None check
     size = float(dist.get_world_size())
     for param in model.parameters():
         dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
@@ -763,8 +863,7 @@ else:
 skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
 find_unused = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters",))
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print("parameters without a gradient:", skip_none[0]["no_grad"])
 print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),",
       find_unused[0]["rank_diff"], "(DDP)")
@@ -773,38 +872,12 @@ assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
 
 
 # %% [markdown]
-# `find_unused_parameters=True` is not free: after every forward pass DDP traverses the autograd
-# graph to find the parameters that will get no gradient. What it costs depends on the model;
-# here, with every parameter used, DDP's forward and backward with and without it, alternated
-# (finding no unused parameter, DDP warns about this very traversal):
-
-# %%
-def step_times(rank, world_size, steps):
-    torch.manual_seed(SEED)
-    device = gst.local_device()
-    models = {flag: DDP(WithUnusedHead().to(device), find_unused_parameters=flag)
-              for flag in (False, True)}
-    x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, device=device)
-    y = torch.randint(10, (GLOBAL_BATCH // world_size,), device=device)
-    ms = {False: [], True: []}
-    for step in range(steps):
-        for flag in (False, True) if step % 2 else (True, False):  # alternate which goes first
-            dist.barrier()
-            start = time.perf_counter()
-            F.nll_loss(models[flag](x, use_aux=True), y).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            ms[flag].append((time.perf_counter() - start) * 1e3)
-    ratios = [with_ / without for without, with_ in zip(ms[False][2:], ms[True][2:], strict=True)]
-    return [statistics.median(x) for x in (ms[False][2:], ms[True][2:], ratios)]
-
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-without, with_flag, ratio = gst.launch(step_times, WORLD_SIZE, args=(10 if SMOKE_TEST else 40,))[0]
-print(f"DDP forward + backward, median: {without:.1f} ms; with find_unused_parameters=True "
-      f"{with_flag:.1f} ms; median ratio of paired steps {ratio:.2f}x")
-
+# `find_unused_parameters=True` has a cost: after every forward pass DDP traverses the autograd
+# graph to find the parameters that will get no gradient. PyTorch's
+# [DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html#internal-design): "traversing the
+# autograd graph introduces extra overheads, so applications should only set
+# `find_unused_parameters` to `True` when necessary". How much depends on the model; this course
+# does not time it. DDP warns when the flag finds nothing to do (below).
 # %% [markdown]
 # Skipping `None` is right only if **every** rank skips the same parameters. If a branch depends
 # on the data, one rank may have a gradient where another has `None`; the ranks then make
@@ -820,10 +893,10 @@ ddp_rank_0 = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parame
 # %% [markdown]
 # Rank 0's warning, `find_unused_parameters=True was specified`, is expected: rank 0 uses every
 # parameter, so DDP found nothing unused *there*. Rank 1 skips `aux_head`, and that is why the
-# flag is needed (the warning looks at one rank only). Both fixes keep the replicas equal:
+# flag is needed (the warning looks at one rank only). (`[rank 0]` is the launcher's tag,
+# `[rank0]:` torch's own.) Both fixes keep the replicas equal:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
       ddp_rank_0[0]["rank_diff"], "(DDP)")
 assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
@@ -889,10 +962,11 @@ assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass u
 # `forward_sync_buffers`) copies rank 0's buffers to every rank at the start of each forward
 # pass, evaluation included. So evaluate through the DDP wrapper, not `model.module`: between two
 # forward passes each rank's buffers hold its own last update, and the statistics all come from
-# rank 0's batches. `nn.SyncBatchNorm` goes further: in training it computes the batch
-# statistics over the **global** batch, as one process would, so the running statistics agree
-# right after training. It runs on CUDA (and XPU, HPU and other accelerator backends), not on
-# the CPU, where it raises:
+# rank 0's batches. `nn.SyncBatchNorm` goes further; its documentation says "The mean and
+# standard-deviation are calculated per-dimension over all mini-batches of the same process
+# groups", so the running statistics should agree right after training (the cell after next
+# checks it, on a machine with a GPU per rank; this notebook's committed outputs ran on CPUs). It
+# runs on accelerators, not on the CPU, where it raises:
 
 # %%
 def sync_batchnorm_on_cpu(rank, world_size):
@@ -922,6 +996,13 @@ else:
 # which it does by default). The result is right, since averaging is linear, but it makes K
 # times the communication. **Fix**: average once, after the last micro-batch; with DDP, run the
 # other micro-batches inside `model.no_sync()`.
+#
+# The code below divides each micro-batch's mean loss by `MICRO_BATCHES`. That gives the mean
+# over the whole batch **only because its micro-batches are equal** (256 / N / 4 samples each).
+# With unequal micro-batches (the last one of an epoch, or losses over a varying number of
+# tokens) it is the mean-of-means bug again, across micro-batches:
+# [notebook 07](07_which_mean.ipynb) shows it and its fix, the loss sum divided by the count over
+# all micro-batches and ranks.
 
 # %%
 MICRO_BATCHES = 4
@@ -981,8 +1062,9 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 # **Bug**: `losses.append(loss.item())` on rank 0, plotted as "the training loss". It is the
 # loss of rank 0's 1/N of each batch, not of the batch. (Every run of `train` above logged
 # exactly this.) **Fix**: all-reduce a copy of the loss, on every rank, and divide (weighted by
-# the counts when the batches are uneven: the mean-of-means pitfall). It is one more small collective per logged
-# step, so log every few steps.
+# the counts when the batches are uneven: the mean-of-means pitfall). That is one more
+# collective per logged step, which every rank must make (counted below); log every few steps
+# if it costs you.
 
 # %%
 def global_loss(loss):  # the fix: every rank calls it, every rank gets the same value
@@ -993,6 +1075,15 @@ def global_loss(loss):  # the fix: every rank calls it, every rank gets the same
 
 # %%
 logged_global = gst.launch(partial(train, log=global_loss), WORLD_SIZE)
+
+
+def one_logged_step(rank, world_size):
+    with gst.detect.count_collectives() as calls:
+        global_loss(torch.tensor(float(rank)))
+    return calls.total
+
+
+assert gst.launch(one_logged_step, WORLD_SIZE) == [1] * WORLD_SIZE  # one all_reduce a log
 
 # %% [markdown]
 # **Symptom**: each rank's curve wanders around the global one (dashed); the global loss is the

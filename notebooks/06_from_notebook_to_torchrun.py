@@ -19,7 +19,7 @@
 # %%
 import os
 
-SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # CI sets it: less data, same checks
+SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; the notebook also runs with 4
 
 SEED = 1234
@@ -69,7 +69,7 @@ KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "
 # The ranks share torchrun's output pipe. print() may write a line in two pieces (the text, then
 # "\n") when output is unbuffered, and another rank's line can land between them. One
 # os.write of a short line arrives whole.
-probe = (f"import json, os; env = {{k: os.environ.get(k) for k in {KEYS}}}; "
+probe = (f"import json, os; env = {{k: os.environ.get(k) for k in {KEYS + ['OMP_NUM_THREADS']}}}; "
          "os.write(1, (json.dumps(env) + '\\n').encode())")
 
 def environment(rank, world_size):
@@ -93,8 +93,7 @@ for k in KEYS:
 # The rendezvous address and port differ from run to run (each launcher picks a free port); the
 # rank variables are the same, rank by rank:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 same = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
 for env_launch, env_torchrun in zip(launch_envs, torchrun_envs, strict=True):
     assert {k: env_launch[k] for k in same} == {k: env_torchrun[k] for k in same}
@@ -134,9 +133,16 @@ print(inspect.getsource(train_ddp.main))
 # ## Run it with torchrun, from here
 #
 # The same command as in a terminal, started with this kernel's Python
-# (`python -m torch.distributed.run` *is* the `torchrun` command). One thread per rank, which is
-# torchrun's own default when a machine runs several ranks, so that every run below adds its
-# numbers in the same order and the comparisons can ask for equality.
+# (`python -m torch.distributed.run` *is* the `torchrun` command). One thread per rank, so that
+# every run below adds its numbers in the same order and the comparisons can ask for equality.
+# That is torchrun's own default when a machine runs several ranks: it sets `OMP_NUM_THREADS=1`
+# in every rank unless the variable is already set, as the ranks of the first run above saw:
+
+# %%
+omp = {env["OMP_NUM_THREADS"] for env in torchrun_envs}
+print(f"OMP_NUM_THREADS in torchrun's {WORLD_SIZE} ranks: {omp} "
+      f"(in this kernel: {os.environ.get('OMP_NUM_THREADS', 'not set')})")
+assert omp == {os.environ.get("OMP_NUM_THREADS", "1")}
 
 # %%
 def shorten(text):
@@ -210,7 +216,8 @@ diff = gst.checks.compare_state_dicts(
 
 # %% [markdown]
 # On CPUs the two runs add the same numbers in the same order, so they agree to the last bit. (On
-# GPUs the script asks cuDNN for deterministic kernels; the check allows a rounding error there.)
+# GPUs, where kernels may add in another order, the check allows 1e-5; the script asks cuDNN
+# for deterministic kernels, `torch.backends.cudnn.deterministic = True`.)
 
 # %%
 ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
@@ -243,7 +250,9 @@ assert len(checkpoint(straight)["rng"]) == WORLD_SIZE  # one state per rank
 # `--resume` continues from `--checkpoint` when the file exists, and starts from scratch when it
 # does not, so one command line serves the first start and every restart (a requeued SLURM job,
 # a torchrun restart). Loading uses `map_location="cpu"`: rank 0 saved tensors from its own GPU,
-# and without it every rank would load them onto that GPU. We train 1 epoch, stop, and run the
+# and without it every rank would load them onto that GPU; in `torch.load`'s
+# [documentation](https://docs.pytorch.org/docs/stable/generated/torch.load.html), storages "are
+# first deserialized on the CPU and are then moved to the device they were saved from". We train 1 epoch, stop, and run the
 # same command again with `--epochs 2`:
 
 # %%
@@ -394,7 +403,6 @@ assert diff <= TOL
 # summary:
 
 # %%
-# NBVAL_IGNORE_OUTPUT
 failed = torchrun(*STANDALONE, "scripts/fail_rank.py", 1, *SCRIPT, "--epochs", 1)
 summary = failed.stderr[failed.stderr.index("scripts/fail_rank.py FAILED"):]
 print(f"exit status {failed.returncode}; torchrun's error summary, the end of its stderr:\n")
@@ -405,10 +413,10 @@ print(summary)
 #
 # * **Root Cause (first observed failure)**: the rank that failed first, its exit code, and —
 #   because `main` is decorated with `@record` — its traceback. Start here, with one caveat:
-#   torchrun dates failures in whole seconds and, on a tie, names the rank it noticed first: the
-#   lowest when both had ended by its next look. When rank 1 fails and rank 0 follows within the
-#   same second, the "root cause" shown can be rank 0's consequence. So read the tracebacks: the real cause is the rank whose traceback is its own
-#   exception, not a lost peer ("Connection closed by peer") or a SIGTERM.
+#   torchrun dates failures in whole seconds. If two ranks fail in the same second, it may name
+#   the lower rank, even when that rank only failed because of the other (checked below). So read
+#   each traceback: the cause is the rank whose traceback is its own exception, not a lost peer
+#   ("Connection closed by peer") or a SIGTERM.
 # * **Failures**: the other ranks that failed, usually *because* of the real cause: here rank 0,
 #   whose `barrier` lost its peer or which torchrun stopped with SIGTERM. Not a second bug.
 
@@ -587,7 +595,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 # * `scripts/train_ddp.py` also calls `gc.collect()` just before `destroy_process_group()`. Only
 #   needed when something `train` built (the DDP model) can outlive it in a reference cycle: there,
 #   importing torchvision inside `train` made one, the model was freed at exit after the group,
-#   and gloo aborted ~15% of finished 4-rank runs. This snippet has no such cycle.
+#   and gloo sometimes aborted a run that had finished. This snippet has no such cycle.
 #
 # ## Exercise
 #

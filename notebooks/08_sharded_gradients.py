@@ -80,8 +80,7 @@ def three_collectives(rank, world_size):
 
 pieces = gst.launch(three_collectives, world_size=WORLD_SIZE)
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 whole_sum = pieces[0]["summed"]
 for rank, p in enumerate(pieces):
     assert torch.equal(p["shard"], whole_sum[2 * rank : 2 * rank + 2])  # piece r of the sum

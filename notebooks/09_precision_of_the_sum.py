@@ -62,8 +62,7 @@ NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
 # fewer bits. `eps`, the gap between 1 and the next number, is the relative step of rounding: a
 # number rounded to the format moves by at most half a step, eps / 2 of itself.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 for dtype in FORMATS:
     info = torch.finfo(dtype)
     precision = 1 - round(math.log2(info.eps))  # bits of precision: the fraction's, plus 1
@@ -82,8 +81,7 @@ assert torch.finfo(torch.float16).max == 65504 and torch.finfo(torch.bfloat16).m
 # running sum rounded to bf16. A ring all-reduce does: each rank sends its partial sum to the
 # next in the tensor's own format, and the next rank adds its own number and rounds again.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% tags=["nbval-check-output"]
 ones = torch.ones(512, device=DEVICE)
 running = {dtype: torch.zeros((), dtype=dtype, device=DEVICE) for dtype in FORMATS}
 for one in ones:

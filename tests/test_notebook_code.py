@@ -34,6 +34,13 @@ def test_load_function_runs_with_the_notebooks_own_settings(course):
         notebooks.load_function("01_a", "train")(1)  # helper was not asked for
 
 
+def test_load_function_can_replace_a_setting(course):
+    train = notebooks.load_function("01_a", "train", requires=["helper"], settings={"SCALE": 5})
+    assert train(1) == 10  # (1 + 1) * 5
+    with pytest.raises(KeyError, match="sets no SCLAE"):
+        notebooks.load_function("01_a", "train", settings={"SCLAE": 5})
+
+
 def test_count_and_show_changes(capsys):
     old = "a = 1\nb = 2\nc = 3\nd = 4\n"
     new = "a = 1\nb = 20\nc = 3\nd = 4\ne = 5\n"

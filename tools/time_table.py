@@ -1,0 +1,308 @@
+"""Measure how long each notebook takes, in one run, and write the README's table and the
+doctor's reference times from that run (never by hand).
+
+    python tools/time_table.py            # make times: measure, record, write (minutes)
+    python tools/time_table.py --write    # only write README.md and doctor.py from the record
+    python tools/time_table.py --check    # exit 1 if they differ from the record (as the tests)
+    python tools/time_table.py --against ../main   # also time that checkout's notebooks
+
+``--against DIR`` executes, just before each notebook, the notebook of the same number in another
+checkout of the course (its own package, nothing written there), and prints each pair's wall
+times and CPU times (the kernel's and its workers', from ``getrusage``) and their ratios:
+measured side by side. On a busy machine wall times mean little (a rank waits to be scheduled
+at every collective); CPU times, the work done, much less affected, are the ratio to read.
+
+Measuring is one run on this machine, in this order: the doctor's epoch estimate
+(``gradsync_tutorial.doctor.measure_epoch``), then every notebook built from its source and
+executed top to bottom in full mode (``tools/build_notebooks.py``'s ``build``: the committed
+outputs come from the same run), then the epoch estimate again. Every notebook found in
+``notebooks/`` is timed, so a new one (07, 08, ...) is picked up by itself. The run is
+recorded in ``benchmarks/notebook_times.json`` (each notebook's seconds, the epoch's, the
+machine, its load average before and after); ``--write`` renders from that record:
+
+* README.md: the last column of the notebook table (a notebook without a row gets one, its
+  title and question taken from the notebook's first cell), the line under the table that says
+  when and where the run was made, and the benchmark table that notebook 05 printed;
+* gradsync_tutorial/doctor.py: ``REFERENCE_SECONDS`` (one entry per notebook) and
+  ``REFERENCE_EPOCH_SECONDS``, which it scales by this machine's epoch time.
+
+The times mean something only on a quiet machine: measuring refuses to start when the load
+average is 1 or more (``--allow-load`` measures anyway, and the record says so). The course's
+budget, printed at the end: each notebook at most 2 minutes, 00 to 06 at most 8 in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RECORD = REPO / "benchmarks" / "notebook_times.json"
+README = REPO / "README.md"
+DOCTOR = REPO / "gradsync_tutorial" / "doctor.py"
+BUDGET_EACH, BUDGET_CORE = 120, 8 * 60  # seconds: each notebook; notebooks 00 to 06 together
+CORE = [f"{n:02d}" for n in range(7)]  # the notebooks the 8-minute budget is for
+
+# | [02 Manual ...](notebooks/02_manual_allreduce_averaging.ipynb) | question | 2 min 10 s |
+TABLE_ROW = re.compile(r"^\| \[(\d\d) [^]]*\]\(notebooks/(\d\d_\w+\.ipynb)\) \|(.*)\| ([^|]+) \|$",
+                       re.M)
+RUN_LINE = re.compile(r"^Measured in one run by `make times`.*$", re.M)
+BENCH_BLOCK = re.compile(r"```text\n(ms/step: median of.*?)\n```", re.S)
+
+
+def _notebooks_script():
+    """tools/build_notebooks.py (the build), loaded from the folder this script is in."""
+    spec = importlib.util.spec_from_file_location("notebooks_script", HERE / "build_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def duration(seconds: int) -> str:
+    """``130`` -> ``"2 min 10 s"``; ``40`` -> ``"40 s"``; ``120`` -> ``"2 min"``.
+
+    >>> [duration(s) for s in (40, 120, 130)]
+    ['40 s', '2 min', '2 min 10 s']
+    """
+    minutes, rest = divmod(int(seconds), 60)
+    if not minutes:
+        return f"{rest} s"
+    return f"{minutes} min" + (f" {rest} s" if rest else "")
+
+
+def measure(allow_load: bool = False, against: Path | None = None) -> dict:
+    """Time the doctor's epoch and every notebook's full build, in one run; the record."""
+    load = _load()
+    if load is not None and load >= 1 and not allow_load:
+        raise SystemExit(f"the load average is {load:.2f}: the times would be false. Measure on a "
+                         "quiet machine (nothing else running), or pass --allow-load to record "
+                         "them anyway (the record and the README will say so).")
+    from gradsync_tutorial import doctor
+
+    build = _notebooks_script()
+    epochs = [doctor.measure_epoch().value]
+    times, cpu = {}, {}
+    for source in build.sources(REPO):
+        other = next(iter(sorted((against / "notebooks").glob(f"{source.name[:2]}_*.py"))), None) \
+            if against else None
+        if other is not None:
+            there = _timed(_execute_elsewhere, build, other, against)
+        name = build.notebook_of(source).name
+        times[name], cpu[name] = _timed(build.build, source, run=True)
+        if other is not None:
+            print(f"  {name[:2]}: wall {there[0]:.0f} s there, {times[name]:.0f} s here "
+                  f"({times[name] / there[0]:.2f}x); CPU {there[1]:.0f} s there, {cpu[name]:.0f} s "
+                  f"here ({cpu[name] / there[1]:.2f}x)", flush=True)
+    epochs.append(doctor.measure_epoch().value)
+    import torch
+
+    return {
+        "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {"cores": os.cpu_count(), "gpus": torch.cuda.device_count(),
+                    "platform": f"{platform.system()} {platform.machine()}",
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "load_before": load, "load_after": _load()},
+        "epoch_seconds": round(sum(epochs) / len(epochs), 2),
+        "notebooks": times,
+        "cpu_seconds": cpu,  # the kernel's and its workers' (getrusage), for comparisons
+    }
+
+
+def _execute_elsewhere(build, source: Path, checkout: Path) -> None:
+    """Execute another checkout's notebook source, full mode, its package first on the kernel's
+    path; nothing is written."""
+    nb = build.read_source(source)
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), path) if p)
+    try:
+        build.execute(nb, source.with_suffix(".ipynb"))
+    finally:
+        os.environ["PYTHONPATH"] = path
+
+
+def _timed(fn, *args, **kwargs) -> tuple[float, float | None]:
+    """(wall seconds, CPU seconds of the processes fn started and waited for) of ``fn(...)``.
+
+    A notebook's kernel is such a process, and its workers are its children, so their CPU time
+    is counted once the kernel has ended (None where there is no ``resource``: Windows).
+    """
+    try:
+        import resource
+    except ImportError:
+        resource = None
+
+    def children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    cpu, started = children() if resource else 0.0, time.monotonic()
+    fn(*args, **kwargs)
+    wall = round(time.monotonic() - started, 1)
+    return wall, (round(children() - cpu, 1) if resource else None)
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # Windows
+        return None
+
+
+def run_line(record: dict) -> str:
+    m = record["machine"]
+    core = sum(s for name, s in record["notebooks"].items() if name[:2] in CORE)
+    load = ("" if m["load_before"] is None else
+            f", load average {m['load_before']:g} before and {m['load_after']:g} after")
+    return (f"Measured in one run by `make times` ({record['measured']}, {m['cores']} cores, "
+            f"{m['gpus']} GPUs{load}): notebooks 00 to 06 take {duration(round(core))} in all.")
+
+
+def render_readme(text: str, record: dict, notebooks: dict[str, str]) -> str:
+    """The README with the record's times in its table; rows added for new notebooks.
+
+    ``notebooks``: file name -> the notebook's first cell (for a new row's title and question).
+    """
+    rows = {m.group(2): m for m in TABLE_ROW.finditer(text)}
+    missing = [name for name in record["notebooks"] if name not in rows and name in notebooks]
+    for name in missing:  # after the row of the notebook before it
+        before = [n for n in rows if n < name]
+        anchor = rows[max(before)] if before else None
+        new = _new_row(name, notebooks[name], record["notebooks"][name])
+        at = anchor.end() if anchor else None
+        if at is None:
+            raise SystemExit("README.md has no notebook table to add a row to")
+        text = text[:at] + "\n" + new + text[at:]
+        rows = {m.group(2): m for m in TABLE_ROW.finditer(text)}
+
+    def timed(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in record["notebooks"]:
+            raise SystemExit(f"README.md has a row for {name}, which the record does not time: "
+                             "measure again (make times)")
+        seconds = round(record["notebooks"][name])
+        return match.group(0)[: match.start(4) - match.start(0)] + f"{duration(seconds)} |"
+
+    text = TABLE_ROW.sub(timed, text)
+    line = run_line(record)
+    if RUN_LINE.search(text):
+        text = RUN_LINE.sub(lambda _: line, text, count=1)
+    else:  # the first time: right under the table
+        last = list(TABLE_ROW.finditer(text))[-1]
+        text = text[: last.end()] + "\n\n" + line + text[last.end():]
+    return text
+
+
+def _new_row(name: str, first_cell: str, seconds: float) -> str:
+    heading = re.search(r"^#\s*(\d\d)\s*[—-]+\s*(.+)$", first_cell, re.M)
+    question = re.search(r"\*\*Question:\s*(.+?)\*\*", first_cell, re.S)
+    title = f"{heading.group(1)} {heading.group(2).strip()}" if heading else name[:2]
+    asks = " ".join(question.group(1).split()) if question else ""
+    return f"| [{title}](notebooks/{name}) | {asks} | {duration(round(seconds))} |"
+
+
+def render_benchmark(text: str, notebook_05: Path | None) -> str:
+    """The README's benchmark block replaced by the table notebook 05 printed (if any)."""
+    if notebook_05 is None or not BENCH_BLOCK.search(text):
+        return text
+    for cell in json.loads(notebook_05.read_text(encoding="utf-8"))["cells"]:
+        for output in cell.get("outputs", []):
+            printed = "".join(output.get("text", ""))
+            if "ms/step: median of" in printed and "compute only" in printed:
+                table = printed[printed.index("ms/step: median of"):].rstrip()
+                block = "```text\n" + "\n".join(line.rstrip() for line in table.splitlines())
+                return BENCH_BLOCK.sub(lambda _, block=block: block + "\n```", text, count=1)
+    return text
+
+
+def render_doctor(text: str, record: dict) -> str:
+    """doctor.py with REFERENCE_SECONDS and REFERENCE_EPOCH_SECONDS from the record."""
+    m = record["machine"]
+    load = "" if m["load_before"] is None else f", load average {m['load_before']:g}"
+    entries = "".join(f'    "{name}": {round(s)},\n' for name, s in record["notebooks"].items())
+    text, n = re.subn(r"(REFERENCE_SECONDS: dict\[str, float \| None\] = \{\n)(?:.*\n)*?\}\n",
+                      lambda match: match.group(1) + entries + "}\n", text, count=1)
+    if n != 1:
+        raise SystemExit(f"{DOCTOR.name}: no REFERENCE_SECONDS block to write")
+    text, n = re.subn(r"^#: Measured .*$", f"#: Measured {record['measured']} by `make times`, "
+                      f"{m['cores']} cores{load}.", text, count=1, flags=re.M)
+    text, k = re.subn(r"^REFERENCE_EPOCH_SECONDS = .*$",
+                      f"REFERENCE_EPOCH_SECONDS = {record['epoch_seconds']}  # the same run",
+                      text, count=1, flags=re.M)
+    if not n or not k:
+        raise SystemExit(f"{DOCTOR.name}: no 'Measured' comment or REFERENCE_EPOCH_SECONDS")
+    return text
+
+
+def first_cells(root: Path = REPO) -> dict[str, str]:
+    """Each notebook's first cell (markdown), read from its source: for new README rows."""
+    found = {}
+    for source in sorted((root / "notebooks").glob("[0-9][0-9]_*.py")):
+        text = source.read_text(encoding="utf-8")
+        cells = re.split(r"^# %%.*$", text, flags=re.M)
+        first = next((c for c in cells if c.strip()), "")
+        found[source.with_suffix(".ipynb").name] = re.sub(r"^# ?", "", first, flags=re.M)
+    return found
+
+
+def rendered(record: dict) -> tuple[str, str]:
+    """(README.md, doctor.py) as the record says they should read."""
+    notebook_05 = next(iter(sorted((REPO / "notebooks").glob("05_*.ipynb"))), None)
+    readme = render_readme(README.read_text(encoding="utf-8"), record, first_cells())
+    readme = render_benchmark(readme, notebook_05)
+    return readme, render_doctor(DOCTOR.read_text(encoding="utf-8"), record)
+
+
+def budget(record: dict) -> list[str]:
+    """What the run says about the course's budget, one line each."""
+    times = record["notebooks"]
+    over = [f"{n} {duration(round(s))}" for n, s in times.items() if s > BUDGET_EACH]
+    core = sum(s for n, s in times.items() if n[:2] in CORE)
+    return [f"each notebook <= {duration(BUDGET_EACH)}: "
+            + ("met" if not over else "NOT met (" + ", ".join(over) + ")"),
+            f"notebooks 00 to 06 <= {duration(BUDGET_CORE)}: {duration(round(core))}, "
+            + ("met" if core <= BUDGET_CORE else "NOT met")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="only write, from the record")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a file differs")
+    parser.add_argument("--allow-load", action="store_true",
+                        help="measure even on a busy machine (the record says so)")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="also time another checkout's notebooks, each just before ours")
+    args = parser.parse_args(argv)
+    if not (args.write or args.check):
+        record = measure(args.allow_load, args.against)
+        RECORD.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"{RECORD.relative_to(REPO)}: written")
+    record = json.loads(RECORD.read_text(encoding="utf-8"))
+    readme, doctor_py = rendered(record)
+    if args.check:
+        stale = [p.name for p, new in ((README, readme), (DOCTOR, doctor_py))
+                 if p.read_text(encoding="utf-8") != new]
+        if stale:
+            print(f"{', '.join(stale)}: not as {RECORD.name} says: python {Path(__file__).name}"
+                  " --write")
+            return 1
+        return 0
+    README.write_text(readme, encoding="utf-8")
+    DOCTOR.write_text(doctor_py, encoding="utf-8")
+    print("README.md, gradsync_tutorial/doctor.py: written from the record")
+    for line in budget(record):
+        print(f"budget: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
