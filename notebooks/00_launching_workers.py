@@ -19,6 +19,7 @@ import os
 SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; try 4
 
+import re
 import tempfile
 
 import torch
@@ -98,11 +99,13 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the
 # "hello world" of distributed training: every rank contributes a number, and **every rank
 # receives the sum**. `all_reduce` is a **collective**: an operation that every rank of the
-# group must call, each with its own tensor; it returns when all of them have.
+# group must call, each with its own tensor; it returns when all of them have. The tensor lives
+# on the rank's device, `gst.local_device()`: the CPU here, GPU `LOCAL_RANK` under nccl, which
+# refuses CPU tensors.
 
 # %%
 def hello_allreduce(rank, world_size):
-    t = torch.tensor([float(rank + 1)])  # rank 0 holds 1, rank 1 holds 2, ...
+    t = torch.tensor([float(rank + 1)], device=gst.local_device())  # rank 0: 1, rank 1: 2, ...
     dist.all_reduce(t, op=dist.ReduceOp.SUM)  # every rank receives the sum over all ranks
     print(f"I am rank {rank} of {world_size}; the sum over all ranks is {t.item()}")
     return t.item()
@@ -181,13 +184,15 @@ except gst.RankFailedError as err:
 
 # %% [markdown]
 # A **hang** is the other classic failure: one rank waits in a collective that another rank
-# never calls. `launch` has a wall-clock `timeout` (default 300 s); past it, every rank is
-# stopped, and the error names the ranks that were stuck and says where each one was waiting:
+# never calls. `launch` stops every rank and raises, naming the ranks that were stuck and
+# where each one was waiting: as soon as it sees a rank wait in a collective that the others
+# have already returned from (that can never finish: a few seconds later), otherwise at its
+# wall-clock `timeout` (default 300 s). The check below asserts both numbers:
 
 # %%
 def skips_a_collective(rank, world_size):
     if rank == 0:  # the bug: only rank 0 calls all_reduce, so it waits forever
-        dist.all_reduce(torch.ones(1))
+        dist.all_reduce(torch.ones(1, device=gst.local_device()))
 
 
 try:
@@ -195,6 +200,8 @@ try:
 except gst.LaunchTimeoutError as err:
     print(err)  # the whole message: the line each rank was waiting on comes after the first
     assert err.unfinished == [0] and "Where each rank was:" in str(err)
+    stopped_after = float(re.search(r"stopped after ([\d.]+) s", str(err)).group(1))
+    assert stopped_after < 5  # before the 5 s timeout: rank 1 had returned
 
 
 # %% [markdown]
@@ -224,7 +231,7 @@ except gst.LaunchTimeoutError as err:
 # and dtype as `tensor`.
 #
 # Replace the `raise` line with your code and run the cell, then run the check below it: it runs
-# your function on 3 ranks and prints "✓ correct", or fails with what is wrong. Until you write
+# your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong. Until you write
 # it, it only says "not attempted yet", as in the notebook you downloaded. Stuck?
 # `%load solutions/00_gather_ranks.py` in a new cell loads a solution.
 

@@ -746,7 +746,7 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 # one per parameter: flatten all gradients into one tensor (`torch.cat([p.grad.flatten() ...])`),
 # reduce it, divide, and copy the pieces back into each `p.grad` (`torch.cat` makes a copy).
 #
-# The check below runs it on 3 ranks, each with its own gradients, compares the result with the
+# The check below runs it on 2 ranks, then on 3, each with its own gradients, compares the result with the
 # mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails with what
 # is wrong; until you write the function, it says "not attempted yet". Stuck?
 # `%load solutions/02_average_gradients_flat.py` in a new cell.

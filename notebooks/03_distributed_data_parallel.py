@@ -403,7 +403,7 @@ assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 # and every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter
 # itself (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each of 3 ranks from a different seed, calls your function and compares
+# The check below starts each rank (2, then 3 of them) from a different seed, calls your function and compares
 # the ranks. It prints "✓ correct", or fails with what is wrong; until you write the function,
 # it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a new cell.
 #

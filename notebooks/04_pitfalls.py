@@ -1257,8 +1257,9 @@ fig = gst.plots.plot_loss_curves(
 # alone (in training, `backward()` still needs it), and remember that every rank must call the
 # collective (the skipped-collective pitfall).
 #
-# The check below runs it on 3 ranks holding 8, 3 and 9 samples (fresh random losses each time)
-# and compares what each rank returns with the mean over all 20. It prints "✓ correct", or fails with what is wrong (the mean of the
+# The check below runs it on 2 ranks, then on 3, each holding a different number of samples
+# (numbers and losses drawn afresh each time), and compares what each rank returns with the
+# mean over all of them. It prints "✓ correct", or fails with what is wrong (the mean of the
 # means, a sum not divided, a rank that skipped the all_reduce...); until you write the function,
 # it says "not attempted yet". Stuck? `%load solutions/04_global_mean_loss.py` in a new cell.
 

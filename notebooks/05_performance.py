@@ -856,7 +856,7 @@ for n, results in ring_rows.items():
 # optimizer.step()
 # ```
 #
-# The check below runs 2 steps on 3 ranks, counts the calls that start during backward (and how
+# The check below runs 2 steps on 2 ranks, then on 3, counts the calls that start during backward (and how
 # many of them are asynchronous), and compares each step's gradients with the mean over ranks.
 # It prints "✓ correct", or fails with what is wrong; until you write the function, it says "not
 # attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.

@@ -607,7 +607,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 # what the file needs (the list under "Checkpoint and resume"), of which rank writes it, and of
 # when the other ranks may go on.
 #
-# The check below runs it on 3 ranks in the middle of a training run with dropout, then compares
+# The check below runs it on 2 ranks, then on 3, in the middle of a training run with dropout, then compares
 # 2 more steps of that run with 2 steps of a run resumed from your file (whatever your keys: it
 # finds the pieces by what they are). It prints "✓ correct", or fails with what is wrong (a
 # missing piece and how far the resumed run drifts, a file written by every rank, a rank that did

@@ -36,20 +36,23 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import fsdp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # FSDP2's own code, quoted
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import gradsync_tutorial as gst
+
+# First the torch this notebook needs, before the imports an older FSDP2 lacks:
+assert hasattr(getattr(fsdp, "FSDPModule", None), "set_force_sum_reduction_for_comms"), (
+    "this notebook needs a torch whose FSDP2 has set_force_sum_reduction_for_comms (added in "
+    f"pytorch#155915, June 2025); this one is {torch.__version__}: pip install -U torch")
+from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: E402 (quoted)
 
 # pytorch#186123 (2026) renamed all_gather_into_tensor and reduce_scatter_tensor (the old names
 # still work, with a FutureWarning): the same two functions, under whichever name this torch has.
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-assert hasattr(FSDPModule, "set_force_sum_reduction_for_comms"), (
-    "this notebook needs a torch whose FSDP2 has set_force_sum_reduction_for_comms (added in "
-    f"pytorch#155915, June 2025); this one is {torch.__version__}: pip install -U torch")
 assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SIZE samples"
 
 

@@ -80,9 +80,9 @@ def _dumps_result(obj) -> bytes:
 
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    if shards:
+    if shards and os.environ.get("RANK") == "0":  # once, not once per rank: they run one fn
         print(f"fn returned {len(shards)} DTensor(s) (FSDP2's sharded tensors, e.g. a "
-              f"{shards[0]}): the notebook receives this rank's shard of each, a plain tensor "
+              f"{shards[0]}): the notebook receives each rank's shard of each, a plain tensor "
               "(DTensor.to_local()). For whole tensors return t.full_tensor(), on every rank "
               "(it is an all-gather): {k: v.full_tensor() for k, v in model.state_dict().items()}.",
               file=sys.stderr)
@@ -163,11 +163,15 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         torch.set_num_threads(job.num_threads)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        bound = {}
         if job.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            if job.backend == "nccl":  # as the course's scripts do: barrier() knows its GPU
+                bound = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))}
         # init_method="env://": read MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, exactly as under
         # torchrun. The store it connects to is hosted by the launcher (the "agent" store).
-        _own_group.original()(job.backend, timeout=timedelta(seconds=job.collective_timeout))
+        _own_group.original()(job.backend, timeout=timedelta(seconds=job.collective_timeout),
+                              **bound)
         # fn may call init_process_group itself, as torchrun scripts do: see _own_group.
         # Before unpickling fn, so that its `from torch.distributed import init_process_group`
         # finds this one too.
