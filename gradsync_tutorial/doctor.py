@@ -69,21 +69,21 @@ MIN_TORCHVISION = (0, 19)
 
 #: Each notebook's run time in seconds, executed top to bottom in full (non-smoke) mode on the
 #: reference machine: 2 CPU cores, no GPU, nothing else running. None: not measured yet.
-#: Measured 2026-12-02 00:34 UTC by `make times`, 2 cores, load average 0.01.
+#: Measured 2026-12-02 01:07 UTC by `make times`, 2 cores, load average 0.32.
 REFERENCE_SECONDS: dict[str, float | None] = {
     "00_launching_workers.ipynb": 19,
-    "01_single_device_baseline.ipynb": 13,
-    "02_manual_allreduce_averaging.ipynb": 76,
-    "03_distributed_data_parallel.ipynb": 18,
-    "04_pitfalls.ipynb": 56,
-    "05_performance.ipynb": 69,
-    "06_from_notebook_to_torchrun.ipynb": 63,
-    "07_which_mean.ipynb": 40,  # provisional: estimated under load, to be measured on a quiet one
-    "08_sharded_gradients.ipynb": 90,  # provisional: not yet timed on a quiet machine
-    "09_precision_of_the_sum.ipynb": 90,  # provisional: not yet timed on a quiet machine
+    "01_single_device_baseline.ipynb": 19,
+    "02_manual_allreduce_averaging.ipynb": 95,
+    "03_distributed_data_parallel.ipynb": 22,
+    "04_pitfalls.ipynb": 58,
+    "05_performance.ipynb": 89,
+    "06_from_notebook_to_torchrun.ipynb": 81,
+    "07_which_mean.ipynb": 13,
+    "08_sharded_gradients.ipynb": 20,
+    "09_precision_of_the_sum.ipynb": 27,
 }
 #: :func:`measure_epoch`'s estimate of one full Fashion-MNIST epoch on the reference machine.
-REFERENCE_EPOCH_SECONDS = 3.57  # the same run
+REFERENCE_EPOCH_SECONDS = 4.76  # the same run
 
 TRAIN_IMAGES, GLOBAL_BATCH = 60_000, 256
 TIMING_STEPS = 40  # at most this many timed training steps, after WARMUP_STEPS; their median
