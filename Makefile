@@ -6,6 +6,8 @@
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
 # make doctor - is this machine ready? versions, data, a 2-rank launch, expected notebook times
 # make bench - the benchmark scripts (ratios measured side by side in one run)
+# make clean - remove what the targets made: .venv, data/, build/ (the site), checkpoints/,
+#   test-artifacts/
 # make notebooks [NB=02] - rebuild the notebooks (or one) from their sources notebooks/NN_*.py and
 #   execute them top to bottom, full mode. PY=/path/to/python: use that ready interpreter instead
 #   of .venv (no install or data step), e.g. a worktree with PYTHONPATH=$PWD.
@@ -89,4 +91,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) data .pytest_cache
+	rm -rf $(VENV) data .pytest_cache build checkpoints test-artifacts

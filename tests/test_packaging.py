@@ -59,6 +59,17 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in readme and re.search(r"^make test\b", ci, re.M)
 
 
+def test_make_clean_removes_every_ignored_folder_the_targets_write():
+    """What .gitignore lists as written by the targets (the venv, data, the site, notebook 06's
+    checkpoints, test artifacts), `make clean` removes."""
+    ignored = (REPO / ".gitignore").read_text()
+    rule = re.search(r"^clean:\n\trm -rf (.*)$", (REPO / "Makefile").read_text(), re.M).group(1)
+    removed = set(rule.replace("$(VENV)", ".venv").split())
+    for folder in ("data", "build", "checkpoints", "test-artifacts"):
+        assert f"/{folder}" in ignored and folder in removed, folder
+    assert ".venv" in removed
+
+
 def test_wheel_ships_every_module_of_the_package(tmp_path):
     """A module missing from the wheel would only show up after `pip install .` (not `-e .`)."""
     import subprocess
