@@ -141,6 +141,20 @@ def _original_stream(name: str):
     return stream
 
 
+def _join_group(job: Job) -> None:
+    """This rank's process group, as torchrun's ranks make theirs (and on its GPU under nccl)."""
+    import torch
+
+    bound = {}
+    if job.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if job.backend == "nccl":  # as the course's scripts do: barrier() knows its GPU
+            bound = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))}
+    # init_method="env://": read MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, exactly as under
+    # torchrun. The store it connects to is hosted by the launcher (the "agent" store).
+    _own_group.original()(job.backend, timeout=timedelta(seconds=job.collective_timeout), **bound)
+
+
 def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     """Run one job; return the message for the launcher. Never raises."""
     import cloudpickle
@@ -163,15 +177,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         torch.set_num_threads(job.num_threads)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        bound = {}
-        if job.device == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            if job.backend == "nccl":  # as the course's scripts do: barrier() knows its GPU
-                bound = {"device_id": torch.device("cuda", int(os.environ["LOCAL_RANK"]))}
-        # init_method="env://": read MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, exactly as under
-        # torchrun. The store it connects to is hosted by the launcher (the "agent" store).
-        _own_group.original()(job.backend, timeout=timedelta(seconds=job.collective_timeout),
-                              **bound)
+        _join_group(job)
         # fn may call init_process_group itself, as torchrun scripts do: see _own_group.
         # Before unpickling fn, so that its `from torch.distributed import init_process_group`
         # finds this one too.
