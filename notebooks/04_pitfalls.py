@@ -721,8 +721,8 @@ for swap in (False, True):
           f"{error:.1e}, max difference between ranks {ranks:.1e}")
     if swap:
         assert min(error, ranks) > 1e-3  # wrong sums, and the replicas no longer agree
-    else:
-        assert error == ranks == 0.0
+    else:  # every rank the same sum; the true mean to float rounding (exact on 2 ranks)
+        assert ranks == 0.0 and error <= (0.0 if WORLD_SIZE == 2 else 1e-6)
 
 # %% [markdown]
 # The replicas then drift apart, so `gst.checks.assert_replicas_equal(model)` after a step

@@ -275,10 +275,30 @@ print(f"{EPOCHS} epochs straight vs 1, save, resume, {EPOCHS - 1}: max abs diffe
       f"{model_diff:.1e} in the parameters, {momentum_diff:.1e} in the momentum buffers")
 assert "no checkpoint at" in first.stdout and "resumed from" in second.stdout
 assert after_one["epochs_done"] == 1 and b["epochs_done"] == EPOCHS
-# More than 2 ranks: a resumed DDP's first step sums in one bucket, a straight run's in the
-# rebuilt ones (notebook 05), so the last bits may differ (a sum of 2 numbers has no order).
-RESUME_TOL = TOL if WORLD_SIZE == 2 else max(TOL, 1e-4)
-assert model_diff <= RESUME_TOL and momentum_diff <= RESUME_TOL
+if WORLD_SIZE == 2:  # a sum of 2 numbers has no order: the resumed run is the straight one
+    assert model_diff <= TOL and momentum_diff <= TOL
+
+# %% [markdown]
+# That equality is for 2 ranks. With more (`WORLD_SIZE = 4`), a resumed DDP's first step sums
+# the gradients in one bucket, where the straight run sums them in the buckets DDP rebuilt after
+# its first step (notebook 05): the same numbers added in another order, so that step differs in
+# the last bits, and an epoch of training amplifies them (notebook 02 measures how far float32
+# rounding grows in an epoch). The checkpoint is not the cause: `scripts/train_manual.py`, the
+# same script with `average_gradients` and no buckets, resumes to the last bit on any number of
+# ranks. Checked when this notebook runs on more than 2 ranks:
+
+# %%
+if WORLD_SIZE > 2:
+    MANUAL = ["scripts/train_manual.py", *ARGS]
+    manual_straight, manual_resumed = fresh("06_manual_straight.pt"), fresh("06_manual_resumed.pt")
+    for epochs, path, resume in ((EPOCHS, manual_straight, []), (1, manual_resumed, ["--resume"]),
+                                 (EPOCHS, manual_resumed, ["--resume"])):
+        ok(torchrun(*STANDALONE, *MANUAL, "--epochs", epochs, "--checkpoint", path, *resume))
+    manual_diff = gst.checks.compare_state_dicts(checkpoint(manual_straight)["model"],
+                                                 checkpoint(manual_resumed)["model"], show=False)
+    print(f"{WORLD_SIZE} ranks, train_manual.py straight vs resumed: {manual_diff:.1e}; "
+          f"train_ddp.py: {model_diff:.1e}")
+    assert manual_diff <= TOL < model_diff
 
 # %% [markdown]
 # Why the RNG state: dropout draws new masks at every step. After epoch 1 the generator has moved
@@ -342,7 +362,9 @@ drift = {restore: gst.launch(resume_with_a_seed_per_rank, WORLD_SIZE, args=(path
 for restore, per_rank in drift.items():
     print(f"each rank resumed with {restore} generator: max |resumed - straight| per rank",
           [f"{d:.1e}" for d in per_rank])
-assert max(drift["its own"]) <= TOL  # exact on the CPU
+# exact on the CPU with 2 ranks; with more, the last bits of DDP's first step after the restart
+# (its initial bucket, above), here over 2 steps only
+assert max(drift["its own"]) <= (TOL if WORLD_SIZE == 2 else max(TOL, 1e-6))
 assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the averaged
 #                                       gradients every rank drifts
 

@@ -58,3 +58,22 @@ def test_a_forgotten_sync_is_named():
     assert notebooks.first_difference(nb, source) == (
         f"the notebook has {len(source.cells) + 1} cells, the source has {len(source.cells)}"
     )
+
+
+def test_a_notebook_is_checked_at_another_world_size_without_writing_it(tmp_path):
+    """``build_notebooks.py --world-size N``: the first cell's WORLD_SIZE = 2 becomes N, the
+    cells run, and a failure says where; nothing is written next to the source."""
+    source = tmp_path / "99_probe.py"
+    source.write_text("# %%\nWORLD_SIZE = 2  # number of ranks\n\n# %%\nassert WORLD_SIZE == 4\n")
+    assert notebooks.run_at_world_size(source, 4) is None
+    failure = notebooks.run_at_world_size(source, 3)
+    assert "cell 2 raised AssertionError" in failure
+    assert not (tmp_path / "99_probe.ipynb").exists()
+    source.write_text("# %%\nRANKS = 2\n")
+    assert "no line 'WORLD_SIZE = 2'" in notebooks.run_at_world_size(source, 4)
+
+
+@pytest.mark.parametrize("number", ["07"])  # the quickest; the others: see the README
+def test_a_notebook_runs_unchanged_with_4_ranks(number):  # full mode: ~25 s on 2 cores
+    (source,) = (REPO / "notebooks").glob(f"{number}_*.py")
+    assert notebooks.run_at_world_size(source, 4) is None

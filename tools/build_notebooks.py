@@ -4,6 +4,7 @@
     python tools/build_notebooks.py 02 05      # notebooks 02 and 05 (`make notebooks NB=02`)
     python tools/build_notebooks.py 02 --no-execute   # markdown or NBVAL comments: keep outputs
     python tools/build_notebooks.py --images   # images/*.png from the notebooks (`make images`)
+    python tools/build_notebooks.py --world-size 4   # check: each runs unchanged on 4 ranks
 
 Each notebook's source is a jupytext ``py:percent`` file next to it, with the same name: that is
 what people edit and review. The ``.ipynb`` with outputs is what readers open and what nbval runs.
@@ -24,6 +25,10 @@ environment (``PYTHONPATH`` included).
 Snippets: a markdown block that follows ``<!-- snippets/NN_x.py -->`` is filled with that file
 (a script the tests run under torchrun) when the notebook is built, in the source and so in the
 notebook: what a reader copies is code that ran.
+
+Other world sizes: ``--world-size N`` executes each notebook with ``WORLD_SIZE = N`` in its first
+cell instead of 2, in the full mode, and writes nothing: the README's promise that every notebook
+runs unchanged with 4 ranks, checked (exit status 1 and each failure's message when one fails).
 
 Figures: running a notebook writes no file. A plot the README shows comes from a cell tagged
 ``image:NAME.png``; ``--images`` copies that cell's committed output to ``images/NAME.png``.
@@ -277,6 +282,24 @@ def select(names: list[str], root: Path = REPO) -> list[Path]:
     return chosen
 
 
+WORLD_SIZE_LINE = re.compile(r"^WORLD_SIZE = 2\b", re.M)
+
+
+def run_at_world_size(source: Path, world_size: int) -> str | None:
+    """Execute ``source`` with ``WORLD_SIZE = world_size`` in its first code cell (full mode),
+    writing nothing. Returns None when every cell passed, else what failed and where."""
+    nb = read_source(source)
+    first = next(cell for cell in nb.cells if cell.cell_type == "code")
+    if not WORLD_SIZE_LINE.search(first.source):
+        return f"{source.name}: its first code cell has no line 'WORLD_SIZE = 2' to change"
+    first.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", first.source, count=1)
+    try:
+        execute(nb, notebook_of(source))
+    except SystemExit as failure:
+        return str(failure)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", help="NN or a notebook's name; default: all")
@@ -284,10 +307,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the outputs (refused when a code cell changed)")
     parser.add_argument("--images", action="store_true",
                         help="only write images/*.png from the committed notebooks' figures")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="only check that each notebook runs with WORLD_SIZE = N (writes "
+                             "nothing)")
     args = parser.parse_args(argv)
     if args.images:
         write_images()
         return 0
+    if args.world_size:
+        failures = 0
+        for source in select(args.notebooks):
+            start = time.monotonic()
+            failure = run_at_world_size(source, args.world_size)
+            print(f"{source.name}: {'ok' if failure is None else 'FAILED'} with WORLD_SIZE = "
+                  f"{args.world_size} ({time.monotonic() - start:.0f} s)", flush=True)
+            if failure is not None:
+                failures += 1
+                print(failure, file=sys.stderr, flush=True)
+        return 1 if failures else 0
     for source in select(args.notebooks):
         build(source, run=not args.no_execute)
     return 0

@@ -191,16 +191,23 @@ def describe(world_size: int, reports: dict[int, StackReport], finished: dict[in
     return "\n".join(lines + _diagnosis(waiting, behind, init_waits))
 
 
+# Waits that end by themselves: a rendezvous (reported as such), a barrier with its own timeout.
+SELF_ENDING = ("dist.init_process_group", "dist.monitored_barrier")
+
+
 def waits_for_a_returned_rank(reports: dict[int, StackReport],
                               finished: Iterable[int]) -> bool:
     """Is a rank waiting in a collective (or a recv) that a rank which returned is part of?
 
     Then it can never finish: the returned rank makes no more calls in this job. A rank that
     returned after its part of that very collective has sent all it had to send, so the rank
-    still in it finishes at once; one found there again later is waiting for good.
+    still in it finishes at once; one found there again later is waiting for good. Except in
+    ``dist.monitored_barrier``: it ends by itself at its own timeout, with torch's error naming
+    the ranks that did not arrive, which is what its caller asked for.
     """
     finished = set(finished)
-    return any(report.waiting_in and not report.waiting_in.startswith("dist.init_process_group")
+    return any(report.waiting_in
+               and not report.waiting_in.startswith(SELF_ENDING)
                and report.peers is not None and finished & set(report.peers)
                for report in reports.values())
 

@@ -115,7 +115,8 @@ def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, 
                          f"timeout=24 * 3600 (at most {MAX_TIMEOUT:.0e}).")
     if num_threads is not None:
         require_int(num_threads, "num_threads", what="torch threads per rank",
-                    hint="Leave num_threads=None for CPU cores // world_size.")
+                    hint="Leave num_threads=None for OMP_NUM_THREADS if set, else CPU cores // "
+                         "world_size.")
     if show_ranks is not None:
         bad = [r for r in show_ranks
                if isinstance(r, bool) or not isinstance(r, int) or r not in range(world_size)]

@@ -145,8 +145,9 @@ def launch(
             ``max(timeout, STARTUP_SECONDS)``, so a short timeout also works on cold workers.
             It judges the ranks' results, not their output: a rank that returned in time is
             not late because the notebook is still printing what it wrote.
-        num_threads: ``torch.set_num_threads`` in each rank; default: CPU cores // world_size,
-            at least 1, so that the ranks do not oversubscribe a laptop.
+        num_threads: ``torch.set_num_threads`` in each rank; default: this process's
+            ``OMP_NUM_THREADS`` when it is set, as torchrun leaves it, else CPU cores //
+            world_size, at least 1, so that the ranks do not oversubscribe a laptop.
         show_ranks: print only these ranks' output, a list such as ``[0]`` (default: all).
         reuse_workers: keep the processes for the next launch in this kernel (fast restarts).
         master_port: the rendezvous port (on 127.0.0.1); default ``None``: a free port
@@ -173,7 +174,7 @@ def launch(
     check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port)
     backend, device = backend_for(backend, world_size)  # the one device rule (device.py)
     payload, sources = serialize(fn, args)
-    num_threads = num_threads or max(1, cpu_count() // world_size)
+    num_threads = num_threads or _omp_num_threads() or max(1, cpu_count() // world_size)
 
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
     # Its own waits outlast the launch's timeout, which the launcher reports first.
@@ -342,6 +343,13 @@ def _port_error(port, e: Exception) -> OSError:
     why = getattr(e, "strerror", None) or str(e)
     return OSError(f"master_port={port} is not free ({why}). Leave master_port=None and "
                    "launch picks a free port.")
+
+
+def _omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` of this process when it is a positive whole number (torchrun keeps
+    a value it finds set; so does launch), else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def _job_env(rank: int, world_size: int, port: int, num_threads: int,

@@ -99,6 +99,26 @@ def test_uneven_numbers_of_steps():
     assert "rank 0 had not finished (rank 1 returned)" in str(error)
 
 
+def test_a_monitored_barrier_is_left_to_name_the_missing_rank_itself():
+    """Rank 1 returned and rank 0 waits in dist.monitored_barrier: the launcher does not stop
+    it early (as it stops an all_reduce that can never end), since the barrier ends at its own
+    timeout with torch's error, which names the rank that did not arrive (notebook 04)."""
+    ns = cell("""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        def train(rank, world_size):
+            if rank == 0:
+                dist.monitored_barrier(timeout=timedelta(seconds=4))
+            return rank
+    """)
+    with pytest.raises(gst.RankFailedError) as info:
+        gst.launch(ns["train"], world_size=2, timeout=30)
+    assert info.value.rank == 0
+    assert "Rank 1 failed to pass monitoredBarrier in 4000 ms" in str(info.value)
+
+
 def test_a_rank_busy_in_native_code_cannot_say_where_it_is():
     ns = cell("""
         import torch

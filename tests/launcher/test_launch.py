@@ -50,7 +50,9 @@ def test_closure_results_ordered_by_rank_tensors_on_cpu():
         assert r["scale"] == 10
 
 
-def test_worker_environment_is_torchruns():
+def test_worker_environment_is_torchruns(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the default rule below
+
     def fn(rank, world_size):
         import torch.distributed as dist
 
@@ -74,6 +76,20 @@ def test_worker_environment_is_torchruns():
     with socket.socket() as s:
         s.bind(("127.0.0.1", int(results[0]["MASTER_PORT"])))
     assert gst.launch(lambda rank, ws: torch.get_num_threads(), 2, num_threads=1) == [1, 1]
+
+
+def test_a_set_omp_num_threads_is_kept_as_torchrun_keeps_it(monkeypatch):
+    """OMP_NUM_THREADS=1 in the notebook's environment (a cluster's default, say): the ranks get
+    1 thread, as this process has, and as torchrun's ranks would. So one rank computes what this
+    process computes, to the bit (notebook 02 compares a 1-rank launch with notebook 01's loop)."""
+    def threads(rank, world_size):
+        return torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert gst.launch(threads, 1) == [(1, "1")]
+    assert gst.launch(threads, 2) == [(1, "1"), (1, "1")]
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")  # ignored, as a value torch ignores
+    assert gst.launch(threads, 1) == [(preflight.cpu_count(), str(preflight.cpu_count()))]
 
 
 def test_output_is_prefixed_and_filterable(capsys):
