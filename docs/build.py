@@ -37,6 +37,9 @@ from pathlib import Path
 
 import nbformat
 
+from gradsync_tutorial.notebooks import MENTION as NOTEBOOK_MENTION
+from gradsync_tutorial.notebooks import paths
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = Path(__file__).resolve().parent
 IMAGE_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif"}
@@ -50,10 +53,6 @@ COLAB_BADGE = re.compile(
     r"\s*\[!\[Open In Colab\]\([^)]*\)\]"
     r"\((?P<target>https://colab\.research\.google\.com/github/(?P<owner>[\w.-]+)/"
     r"(?P<name>[\w.-]+)/blob/[^)\s]+)\)")
-# "notebook 05", "notebooks 02 and 03", "Notebooks 00 to 05", "notebooks 02, 03 or 04"
-NOTEBOOK_MENTION = re.compile(
-    r"\b(?P<word>[Nn]otebooks?)(?P<sp>\s+)"
-    r"(?P<numbers>\d\d(?:(?:,\s+|,?\s+and\s+|\s+to\s+|\s+or\s+)\d\d)*)\b")
 # Markdown that is not prose: nothing inside it becomes a link. Order matters (fences first).
 PROTECTED = re.compile(
     r"^(?P<fence>`{3,}|~{3,})[^\n]*\n.*?^(?P=fence)[ \t]*$"  # fenced code
@@ -119,7 +118,7 @@ def split_readme(text: str) -> tuple[Section, list[Section]]:
 def read_course(root: Path = REPO) -> Course:
     """Read the README and find the notebooks (``notebooks/NN_*.ipynb``, in order)."""
     opening, sections = split_readme((root / "README.md").read_text(encoding="utf-8"))
-    notebooks = {p.name[:2]: p for p in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))}
+    notebooks = {p.name[:2]: p for p in paths("ipynb", root)}
     if not notebooks:
         raise SiteError(f"no notebooks/NN_*.ipynb under {root}")
     course = Course(root, opening, sections, notebooks)

@@ -1,9 +1,12 @@
-"""How the package's messages word things: counting, naming ranks, rejecting a bad count.
+"""How the package's messages word things: durations, counting, naming ranks, rejecting a bad
+count.
 
 One place for each, so that the launcher, its errors, the checks, the doctor and the exercises
 say it the same way (and a change of wording is one edit):
 
-    >>> from gradsync_tutorial._wording import plural, ranks, require_int
+    >>> from gradsync_tutorial._wording import duration, plural, ranks, require_int
+    >>> [duration(s) for s in (40, 120, 130)]
+    ['40 s', '2 min', '2 min 10 s']
     >>> plural(1, "check"), plural(2, "check")
     ('1 check', '2 checks')
     >>> ranks([1]), ranks([0, 2])
@@ -17,6 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+
+def duration(seconds: float) -> str:
+    """``130`` -> ``"2 min 10 s"``; ``40`` -> ``"40 s"``; ``120`` -> ``"2 min"`` (whole seconds)."""
+    minutes, rest = divmod(round(seconds), 60)
+    if not minutes:
+        return f"{rest} s"
+    return f"{minutes} min" + (f" {rest} s" if rest else "")
 
 
 def plural(n: int, noun: str) -> str:

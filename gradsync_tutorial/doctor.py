@@ -33,6 +33,7 @@ taught in a notebook: it is run once, before the course (``make doctor``).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
@@ -43,8 +44,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from ._wording import plural
+from ._wording import duration, plural
 from .device import gpu_count, local_device
 
 __all__ = [
@@ -67,23 +69,16 @@ MIN_PYTHON = (3, 10)
 MIN_TORCH = (2, 4)
 MIN_TORCHVISION = (0, 19)
 
-#: Each notebook's run time in seconds, executed top to bottom in full (non-smoke) mode on the
-#: reference machine: 2 CPU cores, no GPU, nothing else running. None: not measured yet.
-#: Measured 2026-12-02 01:07 UTC by `make times`, 2 cores, load average 0.32.
+#: The reference run, ``reference_times.json`` beside this file: every notebook executed top to
+#: bottom in full (non-smoke) mode on the reference machine (2 CPU cores, no GPU, nothing else
+#: running), in one run of ``make times``, which writes the file (``tools/time_table.py``).
+REFERENCE_RUN: dict = json.loads(
+    (Path(__file__).with_name("reference_times.json")).read_text(encoding="utf-8"))
+#: Each notebook's run time in seconds, from that run. None: not measured yet.
 REFERENCE_SECONDS: dict[str, float | None] = {
-    "00_launching_workers.ipynb": 19,
-    "01_single_device_baseline.ipynb": 19,
-    "02_manual_allreduce_averaging.ipynb": 95,
-    "03_distributed_data_parallel.ipynb": 22,
-    "04_pitfalls.ipynb": 58,
-    "05_performance.ipynb": 89,
-    "06_from_notebook_to_torchrun.ipynb": 81,
-    "07_which_mean.ipynb": 13,
-    "08_sharded_gradients.ipynb": 20,
-    "09_precision_of_the_sum.ipynb": 27,
-}
+    name: round(seconds) for name, seconds in REFERENCE_RUN["notebooks"].items()}
 #: :func:`measure_epoch`'s estimate of one full Fashion-MNIST epoch on the reference machine.
-REFERENCE_EPOCH_SECONDS = 4.76  # the same run
+REFERENCE_EPOCH_SECONDS: float = REFERENCE_RUN["epoch_seconds"]  # the same run
 
 TRAIN_IMAGES, GLOBAL_BATCH = 60_000, 256
 TIMING_STEPS = 40  # at most this many timed training steps, after WARMUP_STEPS; their median
@@ -405,7 +400,7 @@ def notebook_estimates(epoch_seconds: float) -> Check:
             lines.append(f"{name:<{width}}  (not measured yet)")
             continue
         estimate = seconds * ratio
-        lines.append(f"{name:<{width}}  ~ {_duration(estimate)}")
+        lines.append(f"{name:<{width}}  ~ {duration(estimate)}")
         if estimate > SLOW_NOTEBOOK:
             slow.append(name)
     detail = (f"expected run time on this machine ({ratio:.2f}x the reference machine's, "
@@ -414,12 +409,6 @@ def notebook_estimates(epoch_seconds: float) -> Check:
         return Check("notebooks", "warn", detail + f"\n{len(slow)} notebook(s) would take over "
                      f"{SLOW_NOTEBOOK // 60} min: run them with SMOKE_TEST=1 (less data).")
     return Check("notebooks", "info", detail)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    return f"{seconds / 60:.1f} min"
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,15 @@ the committed notebooks, so a diff shown in a notebook cannot go stale:
     >>> train_01.__name__
     'train'
 
+The course's own files are found here too, never listed by hand: ``paths()`` are the
+notebooks (or their sources, or the snippets) in course order, and ``MENTION`` is the one
+grammar of "notebook 02" / "notebooks 02 and 03" that the site's links and the tests read:
+
+    >>> [p.name for p in gst.notebooks.paths()][:2]
+    ['00_launching_workers.ipynb', '01_single_device_baseline.ipynb']
+    >>> gst.notebooks.mentioned("as notebooks 02 and 03 show, and notebook 07")
+    ['02', '03', '07']
+
 Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
 """
 
@@ -25,11 +34,43 @@ import difflib
 import inspect
 import json
 import linecache
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["count_changes", "function_source", "load_function", "notebook_path", "show_diff"]
+__all__ = ["MENTION", "count_changes", "function_source", "load_function", "mentioned",
+           "notebook_path", "paths", "show_diff"]
+
+REPO = Path(__file__).resolve().parent.parent
+#: What the course's numbered files are called: ``NN_topic`` (two digits, then a name).
+NUMBERED = "[0-9][0-9]_*"
+#: The folders and suffixes ``paths(kind)`` looks in.
+KINDS = {"ipynb": ("notebooks", ".ipynb"), "source": ("notebooks", ".py"),
+         "snippet": ("snippets", ".py")}
+#: "notebook 05", "notebooks 02 and 03", "Notebooks 00 to 05", "notebooks 02, 03 or 04": the
+#: word, the space after it, and the numbers (groups ``word``, ``sp``, ``numbers``).
+MENTION = re.compile(
+    r"\b(?P<word>[Nn]otebooks?)(?P<sp>\s+)"
+    r"(?P<numbers>\d\d(?:(?:,\s+|,?\s+and\s+|\s+to\s+|\s+or\s+)\d\d)*)\b")
+
+
+def paths(kind: str = "ipynb", root: Path | str | None = None) -> list[Path]:
+    """The course's numbered files in course order: ``kind`` is ``"ipynb"`` (the notebooks),
+    ``"source"`` (their ``.py`` sources) or ``"snippet"`` (``snippets/NN_*.py``); ``root`` is a
+    checkout of the course (default: this one).
+
+    A new notebook, source or snippet is found by this one rule, so no list needs a new line.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    folder, suffix = KINDS[kind]
+    return sorted((Path(root or REPO) / folder).glob(NUMBERED + suffix))
+
+
+def mentioned(text: str) -> list[str]:
+    """The notebook numbers that ``text`` names with :data:`MENTION`, in the order named."""
+    return [n for match in MENTION.finditer(text) for n in re.findall(r"\d\d", match["numbers"])]
 
 
 def _notebooks_dir() -> Path:

@@ -1,4 +1,5 @@
-"""Shared test helpers: find the launcher's worker processes, so tests can prove none is left."""
+"""Shared test helpers: the course's notebooks and snippets (found, not listed); the launcher's
+worker processes, so tests can prove none is left."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ from pathlib import Path
 import pytest
 
 from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+from gradsync_tutorial.notebooks import paths
 
 REPO = Path(__file__).resolve().parent.parent
+#: The course's notebooks, their sources and the snippets, in course order: found, not listed.
+NOTEBOOKS = paths("ipynb")
+SOURCES = paths("source")
+SNIPPETS = paths("snippet")
 
 
 @functools.cache

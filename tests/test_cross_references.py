@@ -1,5 +1,5 @@
-"""Every notebook, section and run time that the README, the doctor and the docstrings name
-exists and agrees, so that renaming, adding or re-timing a notebook cannot leave a reference
+"""Every notebook and section that the README, the package and the docstrings name exists
+and agrees, so that renaming, adding or re-timing a notebook cannot leave a reference
 behind.
 
 The tests read names and numbers only (file names, "notebook NN", table rows, anchors), never
@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from gradsync_tutorial import doctor
 from gradsync_tutorial.exercises import EXERCISES
+from gradsync_tutorial.notebooks import MENTION, mentioned
 
+from .conftest import NOTEBOOKS as NOTEBOOK_PATHS
 from .conftest import REPO
 
-NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = [p.name for p in NOTEBOOK_PATHS]
 NUMBERS = {name[:2] for name in NOTEBOOKS}
 README = (REPO / "README.md").read_text()
 #: Where the course refers to its notebooks: the README, the package, the scripts, the tools,
@@ -29,8 +30,6 @@ REFERRING = [REPO / "README.md", *sorted((REPO / "gradsync_tutorial").rglob("*.p
 
 # notebooks/02_manual_allreduce_averaging.ipynb (a path, in prose, a link or a docstring)
 NOTEBOOK_PATH = re.compile(r"notebooks/(\d\d_[A-Za-z0-9_]+)\.ipynb")
-# "notebook 05", "notebooks 02 and 03", "notebooks 02 to 04", "notebooks 02, 03"
-NOTEBOOK_NUMBERS = re.compile(r"\bnotebooks? (\d\d(?:(?:,| and| to| or|,? and) \d\d)*)\b", re.I)
 # | [02 Manual ...](notebooks/02_manual_allreduce_averaging.ipynb) | question | 2 min 10 s |
 TABLE_ROW = re.compile(r"^\| \[(\d\d) [^]]*\]\(notebooks/(\d\d_\w+\.ipynb)\) \|.*\| ([^|]+) \|$",
                        re.M)
@@ -63,8 +62,7 @@ def test_every_notebook_path_named_exists(path):
 
 @pytest.mark.parametrize("path", REFERRING, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_notebook_number_named_exists(path):
-    named = {n for group in NOTEBOOK_NUMBERS.findall(_text(path)) for n in re.findall(r"\d\d",
-                                                                                     group)}
+    named = set(mentioned(_text(path)))  # the site's links read the same grammar
     assert named <= NUMBERS, f"{path.name} names notebooks {sorted(named - NUMBERS)}: none exist"
 
 
@@ -82,23 +80,16 @@ def test_every_public_module_says_where_it_is_introduced():
         if path.name in NOT_TAUGHT:
             continue
         text = _text(path)
-        assert NOTEBOOK_PATH.search(text) or NOTEBOOK_NUMBERS.search(text), (
+        assert NOTEBOOK_PATH.search(text) or MENTION.search(text), (
             f"{path.relative_to(package)} names no notebook: say which one introduces it")
 
 
-def test_the_doctors_reference_times_cover_exactly_the_notebooks():
-    assert sorted(doctor.REFERENCE_SECONDS) == NOTEBOOKS
-
-
-def test_the_readme_notebook_table_lists_every_notebook_once_with_the_doctors_time():
+def test_the_readme_notebook_table_lists_every_notebook_once_in_course_order():
+    """(Its run times are the recorded run's: tests/test_time_table.py.)"""
     rows = TABLE_ROW.findall(README)
     assert [file for _, file, _ in rows] == NOTEBOOKS, "one row per notebook, in course order"
-    for number, file, duration in rows:
+    for number, file, _ in rows:
         assert file.startswith(number), f"the row titled {number} links to {file}"
-        reference = doctor.REFERENCE_SECONDS[file]
-        assert reference is not None and _seconds(duration) == reference, (
-            f"README says {file} runs in {duration.strip()}; the doctor's reference time is "
-            f"{reference} s: measure again and update both")
 
 
 def test_every_exercise_names_an_existing_notebook():

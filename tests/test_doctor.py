@@ -220,11 +220,11 @@ def test_epoch_timing_and_the_notebook_estimates(monkeypatch):
     assert twice.status == "info" and "(2.00x the reference machine's" in twice.detail
     for name, seconds in doctor.REFERENCE_SECONDS.items():
         line = next(x for x in twice.detail.splitlines() if x.startswith(name))
-        assert line.endswith(doctor._duration(2 * seconds))
+        assert line.endswith(doctor.duration(2 * seconds))
     monkeypatch.setattr(doctor, "REFERENCE_SECONDS", {"00_a.ipynb": 60, "09_new.ipynb": None})
     slow = doctor.notebook_estimates(20 * doctor.REFERENCE_EPOCH_SECONDS)
     assert slow.status == "warn"
-    assert "00_a.ipynb    ~ 20.0 min" in slow.detail
+    assert "00_a.ipynb    ~ 20 min" in slow.detail
     assert "09_new.ipynb  (not measured yet)" in slow.detail
     assert "SMOKE_TEST=1" in slow.detail
 

@@ -17,7 +17,7 @@ import torch
 
 import gradsync_tutorial as gst
 
-from .conftest import REPO
+from .conftest import REPO, SNIPPETS
 from .gpu import check
 
 NO_GPU = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
@@ -37,7 +37,7 @@ def test_without_a_gpu_every_part_is_skipped_and_says_why():
 
 
 def test_the_plan_runs_every_snippet_both_scripts_and_the_notebooks_on_min_n_2_ranks():
-    snippets = sorted(p.name for p in (REPO / "snippets").glob("[0-9][0-9]_*.py"))
+    snippets = [p.name for p in SNIPPETS]
     notebooks = sorted(p.name for n in check.NOTEBOOKS for p in (REPO / "notebooks").glob(
         f"{n}_*.ipynb"))
     assert {"01", "02", "03"} <= {name[:2] for name in notebooks}

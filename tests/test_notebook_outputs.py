@@ -21,9 +21,8 @@ import re
 import nbformat
 import pytest
 
-from .conftest import REPO, tool
+from .conftest import NOTEBOOKS, REPO, tool
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # An absolute path with at least two parts, not part of a URL ("https://a/b") or of a relative
 # path ("scripts/train.py"), e.g. /home/me/x, /tmp/ipykernel_1/2.py, /usr/lib/python3/x.py.

@@ -11,10 +11,9 @@ import json
 import nbformat
 import pytest
 
-from .conftest import REPO, tool
+from .conftest import NOTEBOOKS, REPO, tool
 
 notebooks = tool("build_notebooks")
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def test_every_notebook_has_a_source_and_every_source_a_notebook():

@@ -13,6 +13,8 @@ import sys
 import nbformat
 import pytest
 
+from gradsync_tutorial.notebooks import paths
+
 from .conftest import REPO
 
 URL = "https://github.com/someone/gradsync-tutorial"
@@ -131,9 +133,8 @@ def test_links_to_readme_sections_go_to_the_page_with_that_section():
 
 def test_every_notebook_is_staged_with_its_run_box_and_no_colab_badge_today(course, tmp_path):
     context = site.stage(course, tmp_path / "src")
-    assert context == {"repository_url": None, "notebooks": len(list(
-        (course / "notebooks").glob("[0-9][0-9]_*.ipynb")))}
-    for path in sorted((course / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    assert context == {"repository_url": None, "notebooks": len(paths("ipynb", course))}
+    for path in paths("ipynb", course):
         staged = nbformat.read(tmp_path / "src" / "notebooks" / path.name, as_version=4)
         original = nbformat.read(path, as_version=4)
         box = staged.cells[1]

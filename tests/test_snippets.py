@@ -27,10 +27,10 @@ import torch
 
 import gradsync_tutorial as gst
 
-from .conftest import REPO
+from .conftest import NOTEBOOKS as NOTEBOOK_PATHS
+from .conftest import REPO, SNIPPETS
 
-SNIPPETS = sorted((REPO / "snippets").glob("[0-9][0-9]_*.py"))
-NOTEBOOKS = {p.name[:2]: p for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+NOTEBOOKS = {p.name[:2]: p for p in NOTEBOOK_PATHS}
 ALLOWED = {"torch", "torchvision"}  # and the standard library
 SCRIPTS = [REPO / "scripts" / "train_manual.py", REPO / "scripts" / "train_ddp.py"]
 IDIOM = REPO / "snippets" / "06_torchrun_script.py"  # where init_distributed is taught

@@ -35,9 +35,8 @@ from functools import cache
 import nbformat
 import pytest
 
-from .conftest import REPO
+from .conftest import NOTEBOOKS, REPO
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 PACKAGE = REPO / "gradsync_tutorial"
 PHRASE = 20  # characters: shorter literals ("rank ", " raised ") identify no message
 MAX_ALTERNATIVES = 64  # per template, from the alternatives of the variables it contains

@@ -1,7 +1,8 @@
 """The README's time table and the doctor's reference times come from one measured run.
 
-``make times`` (``tools/time_table.py``) executes every notebook in one run, records the
-times in ``benchmarks/notebook_times.json`` and writes both files from that record. These tests
+``make times`` (``tools/time_table.py``) executes every notebook in one run and records the
+times in ``gradsync_tutorial/reference_times.json``, which the doctor reads as it is; the
+README's table is written from that record. These tests
 fail when either file says something else (a figure typed by hand, a notebook added without
 measuring again), and check the writer on small examples. Nothing here executes a notebook.
 """
@@ -14,6 +15,7 @@ import json
 
 import pytest
 
+from .conftest import NOTEBOOKS as NOTEBOOK_PATHS
 from .conftest import REPO
 
 
@@ -25,7 +27,7 @@ def _load():
 
 
 table = _load()
-NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = [p.name for p in NOTEBOOK_PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +41,21 @@ def test_the_recorded_run_timed_every_notebook(record):
         "the recorded run does not time exactly the notebooks there are: make times")
 
 
-def test_readme_and_doctor_are_written_from_the_recorded_run(record):
-    readme, doctor_py = table.rendered(record)
-    assert (REPO / "README.md").read_text(encoding="utf-8") == readme, (
+def test_the_readme_is_written_from_the_recorded_run(record):
+    """The README's run times, the line under its table and notebook 05's benchmark table."""
+    assert (REPO / "README.md").read_text(encoding="utf-8") == table.rendered(record), (
         "README.md's run times (or the line under the table, or the benchmark table) are not "
         "the recorded run's: python tools/time_table.py --write (or make times to measure)")
-    assert (REPO / "gradsync_tutorial" / "doctor.py").read_text(encoding="utf-8") == doctor_py, (
-        "doctor.py's REFERENCE_SECONDS / REFERENCE_EPOCH_SECONDS are not the recorded run's: "
-        "python tools/time_table.py --write")
 
 
 def test_durations_read_as_the_cross_reference_test_parses_them():
+    from gradsync_tutorial._wording import duration
+
     from .test_cross_references import _seconds
 
     assert doctest.testmod(table, verbose=False).failed == 0
     for seconds in (0, 7, 59, 60, 61, 119, 120, 130, 481):
-        assert _seconds(table.duration(seconds)) == seconds
+        assert _seconds(duration(seconds)) == seconds
 
 
 RUN = {"measured": "2026-12-01 20:00 UTC", "epoch_seconds": 5.0,
@@ -86,10 +87,9 @@ def test_a_run_writes_the_times_and_a_row_for_a_new_notebook():
                                  "notebooks 00 to 06 <= 8 min: 2 min 30 s, met"]
 
 
-def test_the_doctor_gets_one_entry_per_timed_notebook():
-    doctor = ('#: Measured long ago.\nREFERENCE_SECONDS: dict[str, float | None] = {\n'
-              '    "00_a.ipynb": 40,\n}\nREFERENCE_EPOCH_SECONDS = 6.5  # old\n')
-    text = table.render_doctor(doctor, RUN)
-    assert '"00_a.ipynb": 19,\n    "01_b.ipynb": 131,\n    "07_new.ipynb": 61,\n}' in text
-    assert "REFERENCE_EPOCH_SECONDS = 5.0  # the same run" in text
-    assert "#: Measured 2026-12-01 20:00 UTC by `make times`, 2 cores, load average 0.1." in text
+def test_the_doctor_reads_the_record_as_it_is(record):
+    """One record: the doctor's reference times are the recorded run's, rounded, nothing typed."""
+    from gradsync_tutorial import doctor
+
+    assert doctor.REFERENCE_SECONDS == {name: round(s) for name, s in record["notebooks"].items()}
+    assert doctor.REFERENCE_EPOCH_SECONDS == record["epoch_seconds"]

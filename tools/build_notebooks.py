@@ -48,6 +48,8 @@ import jupytext
 import nbformat
 from jupytext.combine import combine_inputs_with_outputs
 
+from gradsync_tutorial.notebooks import paths
+
 REPO = Path(__file__).resolve().parent.parent
 SOURCE_FORMAT = "py:percent"
 # Cell metadata that says when a cell ran, not what it is: never committed.
@@ -60,7 +62,7 @@ SNIPPET = re.compile(r"^# <!-- (snippets/[\w.-]+\.py) -->\n# ```python\n(?:#.*\n
 
 def sources(root: Path = REPO) -> list[Path]:
     """The notebooks' sources, in course order (``notebooks/NN_*.py``)."""
-    return sorted((root / "notebooks").glob("[0-9][0-9]_*.py"))
+    return paths("source", root)
 
 
 def notebook_of(source: Path) -> Path:

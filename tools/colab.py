@@ -31,6 +31,8 @@ from pathlib import Path
 import jupytext
 import nbformat
 
+from gradsync_tutorial.notebooks import paths
+
 REPO = Path(__file__).resolve().parent.parent
 BADGE_SVG = "https://colab.research.google.com/assets/colab-badge.svg"
 SETUP_CELL_ID = "colab-setup"
@@ -68,7 +70,7 @@ def badge(owner: str, name: str, branch: str, path: str) -> str:
 
 def course_notebooks(root: Path) -> list[Path]:
     """The course's notebooks, in order (``notebooks/NN_*.ipynb``)."""
-    return sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    return paths("ipynb", root)
 
 
 def add_to_notebook(path: Path, owner: str, name: str, branch: str, root: Path) -> None:

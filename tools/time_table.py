@@ -1,9 +1,9 @@
-"""Measure how long each notebook takes, in one run, and write the README's table and the
-doctor's reference times from that run (never by hand).
+"""Measure how long each notebook takes, in one run: the doctor's reference times and the
+README's table come from that run (never typed by hand).
 
     python tools/time_table.py            # make times: measure, record, write (minutes)
-    python tools/time_table.py --write    # only write README.md and doctor.py from the record
-    python tools/time_table.py --check    # exit 1 if they differ from the record (as the tests)
+    python tools/time_table.py --write    # only write README.md from the record
+    python tools/time_table.py --check    # exit 1 if README.md is not as recorded (as the tests)
     python tools/time_table.py --against ../main   # also time that checkout's notebooks
 
 ``--against DIR`` executes, just before each notebook, the notebook of the same number in another
@@ -17,14 +17,14 @@ Measuring is one run on this machine, in this order: the doctor's epoch estimate
 executed top to bottom in full mode (``tools/build_notebooks.py``'s ``build``: the committed
 outputs come from the same run), then the epoch estimate again. Every notebook found in
 ``notebooks/`` is timed, so a new one (07, 08, ...) is picked up by itself. The run is
-recorded in ``benchmarks/notebook_times.json`` (each notebook's seconds, the epoch's, the
-machine, its load average before and after); ``--write`` renders from that record:
+recorded in ``gradsync_tutorial/reference_times.json`` (each notebook's seconds, the epoch's,
+the machine, its load average before and after), the one record of these facts: the doctor
+(``gradsync_tutorial.doctor.REFERENCE_SECONDS``) reads it as it is, and ``--write`` renders the
+README from it:
 
 * README.md: the last column of the notebook table (a notebook without a row gets one, its
   title and question taken from the notebook's first cell), the line under the table that says
   when and where the run was made, and the benchmark table that notebook 05 printed;
-* gradsync_tutorial/doctor.py: ``REFERENCE_SECONDS`` (one entry per notebook) and
-  ``REFERENCE_EPOCH_SECONDS``, which it scales by this machine's epoch time.
 
 The times mean something only on a quiet machine: measuring refuses to start when the load
 average is 1 or more (``--allow-load`` measures anyway, and the record says so). The course's
@@ -44,11 +44,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from gradsync_tutorial._wording import duration
+from gradsync_tutorial.notebooks import paths
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-RECORD = REPO / "benchmarks" / "notebook_times.json"
+RECORD = REPO / "gradsync_tutorial" / "reference_times.json"
 README = REPO / "README.md"
-DOCTOR = REPO / "gradsync_tutorial" / "doctor.py"
 BUDGET_EACH, BUDGET_CORE = 120, 8 * 60  # seconds: each notebook; notebooks 00 to 06 together
 CORE = [f"{n:02d}" for n in range(7)]  # the notebooks the 8-minute budget is for
 
@@ -66,17 +68,6 @@ def _notebooks_script():
     spec.loader.exec_module(module)
     return module
 
-
-def duration(seconds: int) -> str:
-    """``130`` -> ``"2 min 10 s"``; ``40`` -> ``"40 s"``; ``120`` -> ``"2 min"``.
-
-    >>> [duration(s) for s in (40, 120, 130)]
-    ['40 s', '2 min', '2 min 10 s']
-    """
-    minutes, rest = divmod(int(seconds), 60)
-    if not minutes:
-        return f"{rest} s"
-    return f"{minutes} min" + (f" {rest} s" if rest else "")
 
 
 def measure(allow_load: bool = False, against: Path | None = None) -> dict:
@@ -223,29 +214,10 @@ def render_benchmark(text: str, notebook_05: Path | None) -> str:
     return text
 
 
-def render_doctor(text: str, record: dict) -> str:
-    """doctor.py with REFERENCE_SECONDS and REFERENCE_EPOCH_SECONDS from the record."""
-    m = record["machine"]
-    load = "" if m["load_before"] is None else f", load average {m['load_before']:g}"
-    entries = "".join(f'    "{name}": {round(s)},\n' for name, s in record["notebooks"].items())
-    text, n = re.subn(r"(REFERENCE_SECONDS: dict\[str, float \| None\] = \{\n)(?:.*\n)*?\}\n",
-                      lambda match: match.group(1) + entries + "}\n", text, count=1)
-    if n != 1:
-        raise SystemExit(f"{DOCTOR.name}: no REFERENCE_SECONDS block to write")
-    text, n = re.subn(r"^#: Measured .*$", f"#: Measured {record['measured']} by `make times`, "
-                      f"{m['cores']} cores{load}.", text, count=1, flags=re.M)
-    text, k = re.subn(r"^REFERENCE_EPOCH_SECONDS = .*$",
-                      f"REFERENCE_EPOCH_SECONDS = {record['epoch_seconds']}  # the same run",
-                      text, count=1, flags=re.M)
-    if not n or not k:
-        raise SystemExit(f"{DOCTOR.name}: no 'Measured' comment or REFERENCE_EPOCH_SECONDS")
-    return text
-
-
 def first_cells(root: Path = REPO) -> dict[str, str]:
     """Each notebook's first cell (markdown), read from its source: for new README rows."""
     found = {}
-    for source in sorted((root / "notebooks").glob("[0-9][0-9]_*.py")):
+    for source in paths("source", root):
         text = source.read_text(encoding="utf-8")
         cells = re.split(r"^# %%.*$", text, flags=re.M)
         first = next((c for c in cells if c.strip()), "")
@@ -253,12 +225,11 @@ def first_cells(root: Path = REPO) -> dict[str, str]:
     return found
 
 
-def rendered(record: dict) -> tuple[str, str]:
-    """(README.md, doctor.py) as the record says they should read."""
-    notebook_05 = next(iter(sorted((REPO / "notebooks").glob("05_*.ipynb"))), None)
+def rendered(record: dict) -> str:
+    """README.md as the record says it should read."""
+    notebook_05 = next((p for p in paths("ipynb") if p.name.startswith("05_")), None)
     readme = render_readme(README.read_text(encoding="utf-8"), record, first_cells())
-    readme = render_benchmark(readme, notebook_05)
-    return readme, render_doctor(DOCTOR.read_text(encoding="utf-8"), record)
+    return render_benchmark(readme, notebook_05)
 
 
 def budget(record: dict) -> list[str]:
@@ -287,18 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         RECORD.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         print(f"{RECORD.relative_to(REPO)}: written")
     record = json.loads(RECORD.read_text(encoding="utf-8"))
-    readme, doctor_py = rendered(record)
+    readme = rendered(record)
     if args.check:
-        stale = [p.name for p, new in ((README, readme), (DOCTOR, doctor_py))
-                 if p.read_text(encoding="utf-8") != new]
-        if stale:
-            print(f"{', '.join(stale)}: not as {RECORD.name} says: python {Path(__file__).name}"
-                  " --write")
+        if README.read_text(encoding="utf-8") != readme:
+            print(f"README.md: not as {RECORD.name} says: python {Path(__file__).name} --write")
             return 1
         return 0
     README.write_text(readme, encoding="utf-8")
-    DOCTOR.write_text(doctor_py, encoding="utf-8")
-    print("README.md, gradsync_tutorial/doctor.py: written from the record")
+    print("README.md: written from the record")
     for line in budget(record):
         print(f"budget: {line}")
     return 0

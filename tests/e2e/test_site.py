@@ -29,11 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from gradsync_tutorial.notebooks import paths
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = paths("ipynb")
 PREFIX = "/gradsync-tutorial/"  # served as GitHub Pages serves a project site
 
 

@@ -13,10 +13,9 @@ import textwrap
 import nbformat
 import pytest
 
-from ..conftest import REPO, tool
+from ..conftest import NOTEBOOKS, tool
 
 build_notebooks = tool("build_notebooks")
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def test_the_tools_examples_run():

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from ..conftest import REPO, tool
+from ..conftest import NOTEBOOKS, REPO, tool
 
 URL = "https://github.com/someone/gradsync-tutorial"
 
@@ -37,7 +37,7 @@ def _state(root):
 
 def test_every_notebook_gets_its_badge_and_install_cell_and_keeps_its_outputs(course, capsys):
     before = {p.name: nbformat.read(p, as_version=4) for p in colab.course_notebooks(course)}
-    n = len(list((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+    n = len(NOTEBOOKS)
     assert len(before) == n
     assert colab.main([URL], root=course) == 0
     assert f"{n} notebooks and {n} README rows" in capsys.readouterr().out
