@@ -19,7 +19,7 @@
 # make times - execute every notebook in one run, timed (full mode, on a quiet machine), and write
 #   the README's time table and the doctor's reference times from that run
 #   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).
-# make images - the README's figures: images/allreduce.png drawn, the loss curves copied from
+# make images - the README's figures: every tools/draw_*.py draws one, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
 PYTHON ?= python3
 VENV   := .venv
@@ -84,7 +84,7 @@ times: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) tools/time_table.py $(TIMES_FLAGS)
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
-	$(PY) images/draw_allreduce.py
+	for draw in tools/draw_*.py; do $(PY) $$draw || exit 1; done
 	$(PY) tools/build_notebooks.py --images
 
 lint: $(STAMP)

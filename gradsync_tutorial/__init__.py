@@ -6,9 +6,9 @@ Every notebook imports it the same way::
     gst.launch(train, world_size=2)
 
 One module per idea of the course, each introduced in a notebook that its docstring names
-(``data``, ``model``, ``checks``, ``plots``, ``notebooks``, ``detect``, ``averaging``, ...; the
-README's "Repository layout" lists them all). Two are the course's machinery rather than a
-lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function on N ranks
+(``data``, ``model``, ``checks``, ``plots``, ``notebooks``, ``detect``, ``averaging``, ...;
+CONTRIBUTING.md's "Repository layout" lists them all). Two are the course's machinery rather
+than a lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function on N ranks
 (notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per rank, else the
 CPU" rule. ``exercises`` holds the exercises' self-checks, ``doctor`` checks a machine.
 

@@ -268,7 +268,7 @@ class CollectiveCounter:
     ``counter[DDP_KEY]`` (``"ddp_bucket_allreduce"``) the number of gradient buckets that
     watched DDP models all-reduced, ``counter.total`` the sum, ``counter.calls`` a
     ``collections.Counter`` of them all, ``counter.arguments["all_reduce"]`` the
-    ``(args, kwargs)`` of each of those calls, in order. ``counter.reset()`` forgets them all.
+    ``(args, kwargs)`` of each of those calls, in order.
 
     While active, each function named in :data:`COUNTED_FUNCTIONS` is replaced by a counting
     wrapper wherever a reference to it is kept: in ``torch.distributed``, in its
@@ -292,10 +292,6 @@ class CollectiveCounter:
     @property
     def total(self) -> int:
         return sum(self.calls.values())
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.arguments.clear()
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in sorted(self.calls.items()))

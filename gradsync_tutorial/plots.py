@@ -15,9 +15,7 @@ curves join it from ``notebooks/02_manual_allreduce_averaging.ipynb`` on.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 
 # pyplot picks the backend: Jupyter's inline one in a notebook, and without a screen (a server,
 # CI) it falls back to Agg, which draws into memory. Nothing here calls plt.show().
@@ -29,32 +27,13 @@ __all__ = ["plot_loss_curves"]
 
 # Shades for the baseline curves: black for the first, greys for any others.
 BASELINE_COLORS = ("black", "dimgray", "darkgray", "silver")
-DPI = 150  # for saved PNGs: sharp on a slide, small in git
 
 # One loss curve: a list of floats, a 1-D tensor or array, a list of 0-d tensors...
 Series = Iterable[float]
 
 
-def _images_dir() -> Path:
-    """``<repo>/images`` in a checkout of the tutorial, else ``./images``."""
-    repo = Path(__file__).resolve().parent.parent
-    if (repo / "pyproject.toml").is_file():
-        return repo / "images"
-    return Path.cwd() / "images"
-
-
 def _floats(values: Series) -> list[float]:
     return [float(v) for v in values]  # also takes tensors and arrays, element by element
-
-
-def _save_path(save: str | os.PathLike[str]) -> Path:
-    path = Path(save).expanduser()
-    if len(path.parts) == 1:  # a bare file name: into the repository's images/ folder
-        path = _images_dir() / path
-    if not path.suffix:
-        path = path.with_suffix(".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def plot_loss_curves(
@@ -65,7 +44,6 @@ def plot_loss_curves(
     xlabel: str = "step",
     ylabel: str = "training loss",
     labels: Sequence[str] | None = None,
-    save: str | os.PathLike[str] | None = None,
     ax: Axes | None = None,
 ) -> Figure:
     """Draw one loss curve per rank (and optional dashed baselines); return the figure.
@@ -77,9 +55,6 @@ def plot_loss_curves(
             dict ``{label: losses}`` for several (black, then greys).
         title, xlabel, ylabel: the axes' texts.
         labels: legend labels for the ranks (default ``"rank 0"``, ``"rank 1"``, ...).
-        save: also write a PNG. A bare file name (``"loss.png"``) goes into the repository's
-            ``images/`` folder; any other path is used as given. ``.png`` is added if there is
-            no suffix.
         ax: draw into these axes instead of a new figure (for side-by-side panels).
 
     Returns:
@@ -112,8 +87,6 @@ def plot_loss_curves(
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title or "")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    if save is not None:
-        fig.savefig(_save_path(save), dpi=DPI)
     return fig
 
 

@@ -1,7 +1,7 @@
 """Each notebook is built from its jupytext source (notebooks/NN_*.py): they must not drift apart.
 
 A failure names the notebook and its first differing cell. Fix it by editing the source and
-rebuilding: ``make notebooks NB=NN`` (see the README's "Changing a notebook").
+rebuilding: ``make notebooks NB=NN`` (CONTRIBUTING.md, "Contributing: changing a notebook").
 """
 
 from __future__ import annotations

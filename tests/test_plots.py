@@ -1,4 +1,4 @@
-"""Per-rank loss curves: the right lines, styles and labels, and a PNG when asked."""
+"""Per-rank loss curves: the right lines, styles and labels, and labels."""
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -6,10 +6,7 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from gradsync_tutorial import plots
 from gradsync_tutorial.plots import plot_loss_curves
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(autouse=True)
@@ -70,28 +67,6 @@ def test_custom_labels_no_baseline_and_existing_axes():
     assert [line.get_label() for line in right.get_lines()] == ["GPU 0", "GPU 1"]
     with pytest.raises(ValueError, match="1 labels for 2 loss histories"):
         plot_loss_curves([[1], [2]], labels=["only one"])
-
-
-def test_save_absolute_path_writes_a_png(tmp_path):
-    target = tmp_path / "sub" / "loss.png"
-    plot_loss_curves([[1.0, 0.5]], baseline=[1.0, 0.6], save=target)
-    assert target.read_bytes().startswith(PNG_MAGIC)
-    no_suffix = tmp_path / "curves"
-    plot_loss_curves([[1.0, 0.5]], save=no_suffix)
-    assert (tmp_path / "curves.png").read_bytes().startswith(PNG_MAGIC)
-
-
-def test_save_bare_file_name_goes_to_the_images_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(plots, "_images_dir", lambda: tmp_path / "images")
-    plot_loss_curves([[1.0, 0.5], [0.9, 0.4]], save="two_ranks.png")
-    assert (tmp_path / "images" / "two_ranks.png").read_bytes().startswith(PNG_MAGIC)
-
-
-def test_images_folder_is_the_repository_one():
-    from pathlib import Path
-
-    repo = Path(plots.__file__).resolve().parent.parent
-    assert plots._images_dir() == repo / "images"
 
 
 def test_baseline_alone():

@@ -1,6 +1,6 @@
 """Draw images/allreduce.png, the diagram of notebook 02 and the README.
 
-    python images/draw_allreduce.py
+    python tools/draw_allreduce.py   # make images runs every tools/draw_*.py
 
 Two ranks, each with its own replica and its own gradient; all_reduce(SUM) gives every rank
 the sum; dividing by the world size gives every rank the mean.
@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-OUT = Path(__file__).with_name("allreduce.png")
+OUT = Path(__file__).resolve().parent.parent / "images" / "allreduce.png"
 COLORS = ["#1f77b4", "#ff7f0e"]
 STAGES = [  # (title, text for rank 0, text for rank 1)
     ("each rank: its own\nreplica, its own batch", "grad = g0", "grad = g1"),
