@@ -8,8 +8,8 @@ Every notebook imports it the same way::
 One module per idea of the course, each introduced in a notebook that its docstring names
 (``data``, ``model``, ``checks``, ``plots``, ``notebooks``, ``detect``, ``averaging``, ...;
 CONTRIBUTING.md's "Repository layout" lists them all). Two are the course's machinery rather
-than a lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function on N ranks
-(notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per rank, else the
+than a lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function
+on N ranks (notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per rank, else the
 CPU" rule. ``exercises`` holds the exercises' self-checks, ``doctor`` checks a machine.
 
 Every module is ``gst.<name>``, imported on first use, so that a rank started by ``gst.launch``

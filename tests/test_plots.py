@@ -1,4 +1,4 @@
-"""Per-rank loss curves: the right lines, styles and labels, and labels."""
+"""Per-rank loss curves: the right lines, styles and labels."""
 
 import matplotlib.pyplot as plt
 import numpy as np
