@@ -9,8 +9,9 @@ One module per idea of the course, each introduced in a notebook that its docstr
 (``data``, ``model``, ``checks``, ``plots``, ``notebooks``, ``detect``, ``averaging``, ...;
 CONTRIBUTING.md's "Repository layout" lists them all). Two are the course's machinery rather
 than a lesson: ``launcher`` (a folder), behind ``gst.launch``, which runs a notebook function
-on N ranks (notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per rank, else the
-CPU" rule. ``exercises`` holds the exercises' self-checks, ``doctor`` checks a machine.
+on N ranks (notebook 00), and ``device``, behind ``gst.local_device``, the one "a GPU per
+rank, else the CPU" rule. ``exercises`` holds the exercises' self-checks, ``doctor`` checks a
+machine.
 
 Every module is ``gst.<name>``, imported on first use, so that a rank started by ``gst.launch``
 (``python -m gradsync_tutorial.launcher.worker``) does not pay for matplotlib, and a torchrun
