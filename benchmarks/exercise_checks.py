@@ -8,7 +8,7 @@ workers of one size only: so a check always starts one set of fresh processes, w
 of its time. Next to each check, in the same round, this times the floor it cannot go under:
 two launches of a function that does nothing, at the same sizes and in the same order of cold
 and warm workers (``launch floor``). The ratio check / floor is what the check itself adds,
-and it holds on a busy machine, where the seconds do not. The target (issue 26): each check
+and it holds on a busy machine, where the seconds do not. The target: each check
 under 10 s on a quiet 2-core machine.
 
 Rounds are interleaved (every check once, then again), so that bursts of machine noise hit

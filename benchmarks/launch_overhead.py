@@ -103,7 +103,7 @@ def main(argv=None) -> None:
               f"repeat launch is {med['repeat'] / med['fork']:4.2f}x fork")
 
 
-REPEAT_GOAL = 0.03  # seconds: a repeat launch of a trivial job (issue 25)
+REPEAT_GOAL = 0.03  # seconds: a repeat launch of a trivial job
 
 
 def _met(ok: bool) -> str:

@@ -973,7 +973,7 @@ def test_a_hang_gets_the_launcher_s_own_message_with_where_each_rank_was(name, h
     with pytest.raises(ExerciseFailed) as info:
         check(name)(hangs, timeout=5)
     message = str(info.value)
-    # The launcher stops it early (rank 1 returned while rank 0 waits: issue 25), or at 5 s.
+    # The launcher stops it early (rank 1 returned while rank 0 waits), or at 5 s.
     assert message.startswith("<lambda> hangs on 2 ranks: launch ")
     assert "rank 0 had not finished (rank 1 returned)" in message
     assert "All ranks were stopped." in message

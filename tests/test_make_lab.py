@@ -1,4 +1,4 @@
-"""``make lab`` serves the course, as root too (issue 29): started, asked for notebook 00, stopped.
+"""``make lab`` serves the course, as root too: started, asked for notebook 00, stopped.
 
 Runs the README's first command as a reader would (``make lab``, with this interpreter as
 ``PY`` so nothing is installed), on a machine without a desktop (no ``DISPLAY``, as in CI and in

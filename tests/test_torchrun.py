@@ -370,7 +370,7 @@ def test_main_frees_what_train_built_before_destroying_the_process_group():
     assert results == [[False], [False]]
 
 
-# -- --resume from a file the script cannot continue from (issue 26) --------------------------
+# -- --resume from a file the script cannot continue from --------------------------
 
 
 def _bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, str]]:

@@ -1,4 +1,4 @@
-"""The course as a website (issue 27): ``make site``'s pages, built here and read in Chromium.
+"""The course as a website: ``make site``'s pages, built here and read in Chromium.
 
     python -m pytest tests/e2e/test_site.py -s     # prints what each check measured
 

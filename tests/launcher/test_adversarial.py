@@ -1,4 +1,4 @@
-"""Issue 25: the classes of fault the second adversarial pass found, each with its test.
+"""The classes of fault an adversarial pass found, each with its test.
 
 Every test ends with no worker left (the ``no_workers_left`` fixture); the ones that kill a
 kernel-like script check the processes the ranks started too.

@@ -1,4 +1,4 @@
-"""Issue 25: one job's state does not reach the next, and the course's launches stay warm.
+"""One job's state does not reach the next, and the course's launches stay warm.
 
 The rule (README, "What a launch forgets"): a warm worker puts back what a fresh interpreter has
 (``sys.argv``, torch's classes and functions a job patched, ...); a job that imported a library

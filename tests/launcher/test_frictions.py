@@ -1,4 +1,4 @@
-"""Issue 25: the frictions a new user meets bringing torchrun-style code, each with its test.
+"""The frictions a new user meets bringing torchrun-style code, each with its test.
 
 Where torchrun refuses something, ``gst.launch`` refuses it with torch's own words (plus what to
 do); where torchrun fails in seconds, ``gst.launch`` does not wait its whole timeout.

@@ -327,7 +327,7 @@ def test_unserializable_return_value_is_reported():
 def sigint_raises():
     """SIGINT raises KeyboardInterrupt during the test, as in a Jupyter cell, however pytest was
     started: a shell starts background jobs (``nohup make test &``) with SIGINT ignored, and
-    Python then installs no KeyboardInterrupt handler (issue 28; test_sigint_ignored.py)."""
+    Python then installs no KeyboardInterrupt handler (test_sigint_ignored.py)."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)
@@ -351,7 +351,7 @@ def test_keyboard_interrupt_stops_every_rank(sigint_raises):
 
 
 # The script sets what ipykernel sets while a cell runs: SIGINT raises KeyboardInterrupt, even
-# when the script inherited SIGINT ignored from a background job (issue 28).
+# when the script inherited SIGINT ignored from a background job.
 KERNEL_SCRIPT = """
     import os, signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,4 +1,4 @@
-"""Issue 25: the libraries people bring run under ``gst.launch`` as under torchrun.
+"""The libraries people bring run under ``gst.launch`` as under torchrun.
 
 Each program in ``tests/programs/`` runs twice: ``torchrun --standalone --nproc-per-node 2``,
 and ``gst.launch`` of the same program defined as a notebook cell defines it. Both print one

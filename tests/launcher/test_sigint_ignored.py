@@ -1,4 +1,4 @@
-"""Issue 28: the launcher's interrupt tests, and an interrupt itself, however the process started.
+"""The launcher's interrupt tests, and an interrupt itself, however the process started.
 
 A shell starts background jobs (``nohup make test > log &``, a CI script) with SIGINT *ignored*,
 every child inherits that, and Python then installs no KeyboardInterrupt handler. Three cases:

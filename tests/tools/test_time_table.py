@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from .conftest import NOTEBOOKS as NOTEBOOK_PATHS
-from .conftest import REPO
+from ..conftest import NOTEBOOKS as NOTEBOOK_PATHS
+from ..conftest import REPO
 
 
 def _load():
@@ -51,7 +51,7 @@ def test_the_readme_is_written_from_the_recorded_run(record):
 def test_durations_read_as_the_cross_reference_test_parses_them():
     from gradsync_tutorial._wording import duration
 
-    from .test_cross_references import _seconds
+    from ..test_cross_references import _seconds
 
     assert doctest.testmod(table, verbose=False).failed == 0
     for seconds in (0, 7, 59, 60, 61, 119, 120, 130, 481):
