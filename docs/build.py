@@ -11,6 +11,8 @@ renders them (MyST-NB reads the notebooks, the Sphinx Book Theme gives navigatio
 * the landing page (``index.md``) is the README's opening, "The question, answered", its
   glossary (a Sphinx glossary, so each term is a link target) and "The notebooks"; the README's
   other sections make the second page (``reference.md``), so every README anchor has a page;
+* each guide the README links to, ``docs/*.md`` (the launcher, clusters), a page of its own at
+  the same path, so that links between them work on GitHub and on the site alike;
 * one page per notebook, every ``notebooks/NN_*.ipynb`` there is, in order, each with a "Run this
   notebook" box under its title: the README's quickstart commands, and the notebook's Colab
   badge once ``colab.py`` has given it one (until then, no badge);
@@ -85,6 +87,7 @@ class Course:
     opening: Section
     sections: list[Section]
     notebooks: dict[str, Path]           # "02" -> notebooks/02_x.ipynb, in course order
+    guides: list[str] = field(default_factory=list)  # "docs/launcher.md", ...: pages of their own
     glossary: dict[str, str] = field(default_factory=dict)  # term -> definition
     anchors: dict[str, str] = field(default_factory=dict)   # README anchor -> page ("index")
 
@@ -121,7 +124,8 @@ def read_course(root: Path = REPO) -> Course:
     notebooks = {p.name[:2]: p for p in paths("ipynb", root)}
     if not notebooks:
         raise SiteError(f"no notebooks/NN_*.ipynb under {root}")
-    course = Course(root, opening, sections, notebooks)
+    guides = [f"docs/{p.name}" for p in sorted((root / "docs").glob("*.md"))]
+    course = Course(root, opening, sections, notebooks, guides)
     course.glossary = glossary_items(_section(course, "Glossary").text)
     if not course.glossary:
         raise SiteError("README's Glossary has no '- **term**: definition' items")
@@ -266,7 +270,7 @@ class Linker:
             return self.rel(f"{page}.md") + (f"#{anchor}" if anchor else "")
         if in_repo.startswith("../") or not (self.course.root / in_repo).exists():
             raise SiteError(f"{self.page}: links to {target}, which is not in the repository")
-        if not in_repo.endswith(".ipynb"):
+        if not in_repo.endswith(".ipynb") and in_repo not in self.course.guides:
             self.files.add(in_repo)  # images/x.png, snippets/02_x.py: copied as they are
         return target
 
@@ -284,7 +288,7 @@ def landing_page(course: Course) -> tuple[str, set[str]]:
         else:
             parts.append(linker.markdown(section.text))
     parts.append(_toctree("The course", [f"notebooks/{p.stem}" for p in course.notebooks.values()]))
-    parts.append(_toctree("More", ["reference"]))
+    parts.append(_toctree("More", ["reference", *(g[:-3] for g in course.guides)]))
     return "\n".join(parts), linker.files
 
 
@@ -364,6 +368,10 @@ def stage(root: Path, dest: Path) -> dict:
     files["index.md"], linked = index.encode(), linked | used
     reference, used = reference_page(course)
     files["reference.md"], linked = reference.encode(), linked | used
+    for guide in course.guides:
+        linker = Linker(course, guide[:-3])
+        files[guide] = linker.markdown((root / guide).read_text(encoding="utf-8")).encode()
+        linked |= linker.files
     repositories = set()
     for path in course.notebooks.values():
         nb, used, repository = notebook_page(course, path, commands)

@@ -21,8 +21,8 @@ grammar of "notebook 02" / "notebooks 02 and 03" that the site's links and the t
 
     >>> [p.name for p in gst.notebooks.paths()][:2]
     ['00_launching_workers.ipynb', '01_single_device_baseline.ipynb']
-    >>> gst.notebooks.mentioned("as notebooks 02 and 03 show, and notebook 07")
-    ['02', '03', '07']
+    >>> gst.notebooks.mentioned("as notebooks 02 and 03 show, and notebooks 07 to 09")
+    ['02', '03', '07', '08', '09']
 
 Introduced in ``notebooks/02_manual_allreduce_averaging.ipynb``.
 """
@@ -69,8 +69,13 @@ def paths(kind: str = "ipynb", root: Path | str | None = None) -> list[Path]:
 
 
 def mentioned(text: str) -> list[str]:
-    """The notebook numbers that ``text`` names with :data:`MENTION`, in the order named."""
-    return [n for match in MENTION.finditer(text) for n in re.findall(r"\d\d", match["numbers"])]
+    """The notebook numbers that ``text`` names with :data:`MENTION`, in the order named; "00
+    to 03" names 00, 01, 02 and 03."""
+    found = []
+    for match in MENTION.finditer(text):
+        for first, last in re.findall(r"(\d\d)(?:\s+to\s+(\d\d))?", match["numbers"]):
+            found += [f"{n:02d}" for n in range(int(first), int(last or first) + 1)]
+    return found
 
 
 def _notebooks_dir() -> Path:

@@ -24,7 +24,9 @@ README from it:
 
 * README.md: the last column of the notebook table (a notebook without a row gets one, its
   title and question taken from the notebook's first cell), the line under the table that says
-  when and where the run was made, and the benchmark table that notebook 05 printed;
+  when and where the run was made, and the last column of every other table row that names
+  notebooks ("notebooks 00 to 03") and ends in a run time: the parts and the agendas, each the
+  total of its notebooks.
 
 The times mean something only on a quiet machine: measuring refuses to start when the load
 average is 1 or more (``--allow-load`` measures anyway, and the record says so). The course's
@@ -45,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gradsync_tutorial._wording import duration
-from gradsync_tutorial.notebooks import paths
+from gradsync_tutorial.notebooks import mentioned, paths
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -57,8 +59,10 @@ CORE = [f"{n:02d}" for n in range(7)]  # the notebooks the 8-minute budget is fo
 # | [02 Manual ...](notebooks/02_manual_allreduce_averaging.ipynb) | question | 2 min 10 s |
 TABLE_ROW = re.compile(r"^\| \[(\d\d) [^]]*\]\(notebooks/(\d\d_\w+\.ipynb)\) \|(.*)\| ([^|]+) \|$",
                        re.M)
+# | Part 1: notebooks 00 to 03 | everyone | 2 min 35 s |: any other row whose last cell is a
+# run time and that names notebooks gets their total
+SUM_ROW = re.compile(r"^\|(.*)\| (\d+ min(?: \d+ s)?|\d+ s) \|$", re.M)
 RUN_LINE = re.compile(r"^Measured in one run by `make times`.*$", re.M)
-BENCH_BLOCK = re.compile(r"```text\n(ms/step: median of.*?)\n```", re.S)
 
 
 def _notebooks_script():
@@ -183,6 +187,7 @@ def render_readme(text: str, record: dict, notebooks: dict[str, str]) -> str:
         return match.group(0)[: match.start(4) - match.start(0)] + f"{duration(seconds)} |"
 
     text = TABLE_ROW.sub(timed, text)
+    text = SUM_ROW.sub(lambda match: _summed(match, record), text)
     line = run_line(record)
     if RUN_LINE.search(text):
         text = RUN_LINE.sub(lambda _: line, text, count=1)
@@ -192,26 +197,23 @@ def render_readme(text: str, record: dict, notebooks: dict[str, str]) -> str:
     return text
 
 
+def _summed(match: re.Match, record: dict) -> str:
+    """A table row that names notebooks (a part, an agenda) with their total run time."""
+    if TABLE_ROW.match(match.group(0)):
+        return match.group(0)
+    numbers = set(mentioned(match.group(1)))
+    times = [s for name, s in record["notebooks"].items() if name[:2] in numbers]
+    if not numbers or not times:
+        return match.group(0)
+    return f"|{match.group(1)}| {duration(round(sum(times)))} |"
+
+
 def _new_row(name: str, first_cell: str, seconds: float) -> str:
     heading = re.search(r"^#\s*(\d\d)\s*[—-]+\s*(.+)$", first_cell, re.M)
     question = re.search(r"\*\*Question:\s*(.+?)\*\*", first_cell, re.S)
     title = f"{heading.group(1)} {heading.group(2).strip()}" if heading else name[:2]
     asks = " ".join(question.group(1).split()) if question else ""
     return f"| [{title}](notebooks/{name}) | {asks} | {duration(round(seconds))} |"
-
-
-def render_benchmark(text: str, notebook_05: Path | None) -> str:
-    """The README's benchmark block replaced by the table notebook 05 printed (if any)."""
-    if notebook_05 is None or not BENCH_BLOCK.search(text):
-        return text
-    for cell in json.loads(notebook_05.read_text(encoding="utf-8"))["cells"]:
-        for output in cell.get("outputs", []):
-            printed = "".join(output.get("text", ""))
-            if "ms/step: median of" in printed and "compute only" in printed:
-                table = printed[printed.index("ms/step: median of"):].rstrip()
-                block = "```text\n" + "\n".join(line.rstrip() for line in table.splitlines())
-                return BENCH_BLOCK.sub(lambda _, block=block: block + "\n```", text, count=1)
-    return text
 
 
 def first_cells(root: Path = REPO) -> dict[str, str]:
@@ -227,9 +229,7 @@ def first_cells(root: Path = REPO) -> dict[str, str]:
 
 def rendered(record: dict) -> str:
     """README.md as the record says it should read."""
-    notebook_05 = next((p for p in paths("ipynb") if p.name.startswith("05_")), None)
-    readme = render_readme(README.read_text(encoding="utf-8"), record, first_cells())
-    return render_benchmark(readme, notebook_05)
+    return render_readme(README.read_text(encoding="utf-8"), record, first_cells())
 
 
 def budget(record: dict) -> list[str]:
