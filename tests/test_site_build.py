@@ -33,11 +33,14 @@ site = _load(REPO / "docs" / "build.py", "site_build")
 
 @pytest.fixture
 def course(tmp_path):
-    """A copy of what the site is made from: the README, the notebooks, the images."""
+    """A copy of what the site is made from: the README, its guides, the notebooks, the images."""
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
     shutil.copytree(REPO / "images", tmp_path / "images")
+    (tmp_path / "docs").mkdir()
+    for guide in sorted((REPO / "docs").glob("*.md")):
+        shutil.copy(guide, tmp_path / "docs" / guide.name)
     (tmp_path / "notebooks").mkdir()
-    for path in sorted((REPO / "notebooks").glob("[0-9][0-9]_*")):
+    for path in [*paths("ipynb"), *paths("source")]:
         shutil.copy(path, tmp_path / "notebooks" / path.name)
     return tmp_path
 
