@@ -1,6 +1,7 @@
 """One job's state does not reach the next, and the course's launches stay warm.
 
-The rule (README, "What a launch forgets"): a warm worker puts back what a fresh interpreter has
+The rule (docs/launcher.md, "What each rank is given, and what each launch forgets"): a warm
+worker puts back what a fresh interpreter has
 (``sys.argv``, torch's classes and functions a job patched, ...); a job that imported a library
 from outside the standard library, torch and the course's own package retires its workers, since
 such a library may keep process-wide state (Accelerate's ``AcceleratorState``): the next launch

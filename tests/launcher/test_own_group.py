@@ -1,5 +1,5 @@
 """Functions written for torchrun or mp.spawn, which call ``dist.init_process_group`` themselves,
-run under ``gst.launch`` unchanged (the README's "Bring your own process group").
+run under ``gst.launch`` unchanged (docs/launcher.md, "Code that sets up its own process group").
 
 The programs are files in ``tests/programs/``, each in the shape of a well-known program -- the
 same structure and the same calls -- written for these tests, with only the device edits a CPU

@@ -69,7 +69,7 @@ def by_rank(states: list[dict], key: str = "RANK") -> list[dict]:
 
 # -- the environment ----------------------------------------------------------------------------
 
-# Where gst.launch differs from torchrun on purpose, and why (the README says the same).
+# Where gst.launch differs from torchrun on purpose, and why (docs/launcher.md says the same).
 DIFFER = {
     "MASTER_ADDR": "127.0.0.1, the store listens on the loopback only; torchrun: localhost",
     "MASTER_PORT": "a port the OS picks, each launch",
