@@ -115,25 +115,54 @@ def _strip_volatile(nb: nbformat.NotebookNode) -> None:
     nb.metadata.pop("jupytext", None)  # the pairing lives in pyproject.toml, not in each notebook
 
 
-def include_snippets(source: Path, root: Path = REPO) -> None:
-    """Fill each snippet block of ``source`` with its file, as it is now."""
+def include_snippets(source: Path, root: Path | None = None) -> None:
+    """Fill each snippet block of ``source`` with its file, as it is now (``root``: the
+    course the source is in, by default the folder above its ``notebooks/``)."""
+    root = source.resolve().parent.parent if root is None else root
+
     def fill(match: re.Match) -> str:
-        lines = (root / match.group(1)).read_text().rstrip("\n").splitlines()
+        snippet = root / match.group(1)
+        if not snippet.is_file():
+            raise SystemExit(f"notebooks/{source.name}: its block <!-- {match.group(1)} --> "
+                             f"shows {match.group(1)}, which does not exist: add the file, or "
+                             "fix the name in the source.")
+        lines = snippet.read_text(encoding="utf-8").rstrip("\n").splitlines()
         body = "".join(f"# {line}\n" if line else "#\n" for line in lines)
         return f"# <!-- {match.group(1)} -->\n# ```python\n{body}# ```\n"
 
-    text = source.read_text()
+    text = source.read_text(encoding="utf-8")
     filled = SNIPPET.sub(fill, text)
     if filled != text:
-        source.write_text(filled)
+        source.write_text(filled, encoding="utf-8")
+
+
+def _readable(source: Path) -> None:
+    """Refuse a source that is not UTF-8 (jupytext would raise deep inside), naming it."""
+    try:
+        source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SystemExit(f"notebooks/{source.name}: not UTF-8 (byte 0x{e.object[e.start]:02x} "
+                         f"at offset {e.start}): save it as UTF-8 in your editor, then build "
+                         "again.") from None
+
+
+def _committed(target: Path) -> nbformat.NotebookNode:
+    """The committed notebook, or a message naming it when it cannot be read as one."""
+    try:
+        return nbformat.read(target, as_version=4)
+    except Exception as e:  # nbformat's NotJSONError, a ValueError, a UnicodeDecodeError...
+        raise SystemExit(f"notebooks/{target.name}: not a notebook ({type(e).__name__}: "
+                         f"{str(e)[:80]}). Restore it (git checkout notebooks/{target.name}), or "
+                         f"delete it to build it from its source without its cell ids.") from None
 
 
 def assemble(source: Path) -> nbformat.NotebookNode:
     """The source's cells, with the existing notebook's cell ids and outputs where cells match."""
+    _readable(source)
     nb = read_source(source)
     target = notebook_of(source)
     if target.exists():
-        nb = combine_inputs_with_outputs(nb, nbformat.read(target, as_version=4), fmt=SOURCE_FORMAT)
+        nb = combine_inputs_with_outputs(nb, _committed(target), fmt=SOURCE_FORMAT)
     _strip_volatile(nb)
     return nb
 
@@ -221,6 +250,7 @@ def build(source: Path, run: bool = True) -> None:
         raise SystemExit(f"notebooks/{target.name} does not exist yet, so there are no outputs "
                          f"to keep: build it without --no-execute (make notebooks "
                          f"NB={source.name[:2]}), which executes it.")
+    _readable(source)
     include_snippets(source)
     nb = assemble(source)
     if run:
@@ -231,7 +261,7 @@ def build(source: Path, run: bool = True) -> None:
         def code(cells):
             return [_code(c.source) for c in cells if c.cell_type == "code"]
 
-        if code(nbformat.read(target, as_version=4).cells) != code(nb.cells):
+        if code(_committed(target).cells) != code(nb.cells):
             raise SystemExit(f"{source.name}: its code changed, so the outputs would be stale: "
                              f"build it without --no-execute")
         took = "outputs kept (no code cell changed)"
@@ -313,10 +343,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check that each notebook runs with WORLD_SIZE = N (writes "
                              "nothing)")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size must be at least 1 (the number of ranks), got "
+                     f"{args.world_size}")
     if args.images:
         write_images()
         return 0
-    if args.world_size:
+    if args.world_size is not None:
         failures = 0
         for source in select(args.notebooks):
             start = time.monotonic()

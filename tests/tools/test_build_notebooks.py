@@ -94,3 +94,41 @@ def test_no_execute_refuses_a_code_change(tmp_path):
     source.write_text(text.replace("\n# %%\n", "\n# %%\nx = 1\n", 1))
     with pytest.raises(SystemExit, match="its code changed"):
         build_notebooks.build(source, run=False)
+
+
+# -- bad input is refused with a message that names the notebook --------------------------------
+
+
+def test_a_missing_snippet_names_the_source_and_the_file(tmp_path):
+    path = _course(tmp_path, "# %% [markdown]\n# <!-- snippets/99_gone.py -->\n# ```python\n"
+                             "# ```\n\n# %%\nx = 1\n")
+    with pytest.raises(SystemExit) as info:
+        build_notebooks.build(path, run=False)
+    message = str(info.value)
+    assert message.startswith("notebooks/99_x.py: ") and "snippets/99_gone.py" in message
+    assert "does not exist" in message
+
+
+def test_a_source_that_is_not_utf8_is_named(tmp_path):
+    path = _course(tmp_path, "# %%\nx = 1\n")
+    path.write_bytes(b"# %%\nx = '\xe9'\n")  # Latin-1, as an editor on Windows may save it
+    with pytest.raises(SystemExit, match=r"^notebooks/99_x.py: not UTF-8 .*byte 0xe9"):
+        build_notebooks.build(path, run=False)
+
+
+def test_a_corrupt_notebook_is_named_with_what_to_do(tmp_path):
+    path = _course(tmp_path, "# %%\nx = 1\n")
+    path.with_suffix(".ipynb").write_text('{"cells": [')  # cut short, e.g. by a full disk
+    with pytest.raises(SystemExit) as info:
+        build_notebooks.build(path, run=False)
+    message = str(info.value)
+    assert message.startswith("notebooks/99_x.ipynb: not a notebook"), message
+    assert "git checkout notebooks/99_x.ipynb" in message and "Traceback" not in message
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_world_size_below_one_is_refused_before_anything_runs(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_notebooks.main(["--world-size", value, "99"])
+    assert info.value.code == 2
+    assert "--world-size must be at least 1" in capsys.readouterr().err
