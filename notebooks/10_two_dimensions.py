@@ -9,12 +9,12 @@
 # silent: LayerNorm gradients left unsummed (Megatron-LM#443, #1446), norms that count a
 # parameter twice (NeMo-RL#3788), divide factors that miss the replicas (pytorch#155903).
 #
-# **Short answer: divide by the number of data shards, once; sum the rest.** Each rank's loss
-# is its sum over the global count of the data-parallel rank. FSDP2 divides by the data-parallel
-# ranks, R·S on an HSDP mesh (`set_gradient_divide_factor` is that total). A parameter
-# replicated over tensor-parallel ranks gets **summed** partial gradients there, never
-# averaged. On a 2 × 2 mesh, a factor equal to the shard size gives ×2. Each claim is measured
-# below, in float64, against one process on the whole batch.
+# **Short answer: divide once, by the data-parallel ranks; sum over the tensor-parallel
+# ranks.** Each rank's loss is its sum of errors over the count of its data-parallel rank's
+# batch. FSDP2 divides by the data-parallel ranks: R·S on an HSDP mesh, the total that
+# `set_gradient_divide_factor` sets. A parameter replicated over tensor-parallel ranks gets
+# their partial gradients **summed**, never averaged. On a 2 × 2 mesh, a factor equal to the
+# shard size gives ×2. Each claim is measured below, in float64, against one process.
 
 # %%
 import os
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -232,6 +232,8 @@ def sequence_parallel(rank, world_size, dtensor_norm=True, sync_norm=None):
         if step == 0:
             out = {"grads": {n: full(p.grad).clone() for n, p in model.named_parameters()},
                    "norm grad": str(getattr(model.norm.weight.grad, "placements", "a tensor")),
+                   "grad kinds": {n: str(getattr(p.grad, "placements", "a tensor"))
+                                  for n, p in model.named_parameters()},
                    "to_local": model.norm.weight.grad.to_local()
                    if dtensor_norm else model.norm.weight.grad.clone(),
                    "clip": full(nn.utils.clip_grad_norm_(model.parameters(), 1e9)).item()
@@ -265,8 +267,9 @@ assert (local_sum - sp_reference["grads"]["norm.weight"]).abs().max() < 1e-15 an
 # ### Megatron style: a plain LayerNorm on the sequence shard
 #
 # Code written by hand (Megatron-LM, TransformerEngine) runs a plain `nn.LayerNorm` on the
-# local tokens. Its gradient is then an ordinary tensor holding one rank's share. Megatron's
-# `finalize_model_grads` all-reduces it over the TP group. Without that step, the gradient is
+# local tokens. Its gradient is then an ordinary tensor holding one rank's share. Megatron-LM
+# all-reduces it over the TP group in `_allreduce_layernorm_grads`
+# (`megatron/core/distributed/finalize_model_grads.py`). Without that step, the gradient is
 # wrong and the TP ranks' copies drift apart. With an average instead of a sum, it is 1/tp.
 
 # %%
@@ -337,13 +340,15 @@ def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch
                 model.set_requires_gradient_sync(last)
             elif sync == "set_requires_all_reduce":  # reduce-scatter each, all-reduce the last
                 model.set_requires_all_reduce(last)
-            (F.mse_loss(model(xm), ym) / micro_batches).backward()
+            with gst.detect.count_collectives() as counted:
+                (F.mse_loss(model(xm), ym) / micro_batches).backward()
         if step == 0:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            backward = dict(counted.calls)  # the last micro-batch's backward
         sgd.step()
     p = model[0].weight
     return {"grads": grads, "params": {n: full(p) for n, p in model.named_parameters()},
-            "placements": str(p.placements), "local rows": p.to_local().shape[0]}
+            "placements": str(p.placements), "backward": backward}
 
 
 # %%
@@ -362,7 +367,9 @@ hsdp_results = gst.launch(lambda r, w: {name: hsdp(r, w, **kw) for name, kw in h
 
 
 # %%
-print(f"HSDP on a {MESH_SHAPE} mesh, placements {hsdp_results['default factor']['placements']}")
+default = hsdp_results["default factor"]
+print(f"HSDP on a {MESH_SHAPE} mesh, placements {default['placements']}; one backward: "
+      f"{default['backward']}")
 print(f"{'run':<46}{'params vs 1 process':>20}{'grad ratio':>12}")
 for name, res in hsdp_results.items():
     gap = max_diff(res["params"], hsdp_reference["params"])
@@ -371,6 +378,9 @@ for name in list(hsdp_runs)[:4]:  # the default, both accumulations, R·S
     assert max_diff(hsdp_results[name]["params"], hsdp_reference["params"]) < 1e-14, name
 wrong = hsdp_results["factor = shard size = 2"]
 assert abs(ratio(wrong["grads"], hsdp_reference["grads"]) - MESH_SHAPE[0]) < 1e-12  # × R
+reduce_scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") \
+    else "reduce_scatter_tensor"  # its name in this torch (2.13 renamed it)
+assert default["backward"][reduce_scatter] == default["backward"]["all_reduce"] == 2  # 2 layers
 summed = hsdp_results["factor = 1 (the sum)"]
 assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12  # × R·S
 
@@ -378,8 +388,9 @@ assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12
 # The default divides by R·S = 4, whichever of the three accumulation spellings you use.
 # `set_gradient_divide_factor` replaces that total, not the division of one dimension: the
 # shard size 2 leaves the gradient twice too large, × the number of replicas.
-# (This works on gloo because float64 takes FSDP2's SUM path; float32 with a factor other than
-# the shard size needs `PREMUL_SUM`, which gloo refuses: notebook 08 shows it.)
+# Each layer's backward made one reduce-scatter and one all-reduce. (Factors work on gloo here
+# because float64 takes FSDP2's SUM path. In float32, a factor other than the shard size needs
+# `PREMUL_SUM`, which gloo refuses: notebook 08 shows it.)
 #
 # ## FSDP × TP + SP on a 2 × 2 mesh: the loss divisor
 #
@@ -436,11 +447,65 @@ summed_dp = fsdp_tp_results["sum / data-rank count, factor 1"]["grads"]
 assert abs(ratio(summed_dp, fsdp_tp_reference["grads"]) - MESH_SHAPE[0]) < 1e-12  # × dp
 
 # %% [markdown]
+# ### In bfloat16, the TP sum runs in bfloat16
+#
+# Notebook 09 measured the precision of the sum. FSDP2's `MixedPrecisionPolicy(param_dtype=
+# torch.bfloat16, reduce_dtype=torch.float32)` reduces FSDP's gradients in float32. The TP
+# all-reduce of a Partial gradient is DTensor's, not FSDP's. Logging each collective's dtype
+# during one backward shows it runs in bfloat16 (pytorch#190626 reports it).
+
+# %%
+def reduce_dtypes(rank, world_size):
+    """The collectives of one backward of the FSDP × TP block in bf16, by name and dtype."""
+    import collections
+
+    import torch.distributed._functional_collectives as funcol  # what DTensor calls
+
+    float64_and_quiet()
+    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(copy.deepcopy(block).float(), mesh["tp"],
+                               dict(SP_PLAN, norm=SequenceParallel()))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    out = model(torch.randn(2, 2, 4, dtype=torch.float32))
+    seen = collections.Counter()
+    all_reduce, scatter = funcol.all_reduce, getattr(dist, reduce_scatter)
+
+    def logged_all_reduce(t, *args, **kwargs):
+        seen["TP all-reduce (DTensor)", str(t.dtype)] += 1
+        return all_reduce(t, *args, **kwargs)
+
+    def logged_scatter(*args, **kwargs):
+        sent = kwargs["input"] if "input" in kwargs else args[1]  # (output, input, ...)
+        seen["FSDP reduce-scatter", str(sent.dtype)] += 1
+        return scatter(*args, **kwargs)
+
+    funcol.all_reduce = logged_all_reduce
+    setattr(dist, reduce_scatter, logged_scatter)
+    try:
+        out.float().pow(2).sum().backward()
+    finally:
+        funcol.all_reduce = all_reduce
+        setattr(dist, reduce_scatter, scatter)
+    return dict(seen)
+
+dtypes = gst.launch(reduce_dtypes, MESH_RANKS)[0]
+
+# %%
+for (name, dtype), calls in dtypes.items():
+    print(f"{name:<26}{dtype:<16}× {calls}")
+assert dtypes == {("TP all-reduce (DTensor)", "torch.bfloat16"): 2,
+                  ("FSDP reduce-scatter", "torch.float32"): 1}
+
+# %% [markdown]
+# So `reduce_dtype` does not cover the TP sums: they add bfloat16 numbers. Notebook 09
+# measures what such a sum costs.
+#
 # ## Who reduces what: the table, from the runs
 #
-# Each row below is read from the runs above, not typed. "Placements" comes from the
-# parameters. "Reduced over" lists the mesh dimensions whose ranks held different data or
-# shares. "Divided by" is the measured ratio of the summed gradient to one process's.
+# Each entry below is read from the runs above, not typed. "Placements" are the parameter's
+# on the 2-D mesh. "Over tp" is its gradient's placement in the sequence-parallel run: a
+# Partial needs the sum. "Divide by" is the ratio of the summed gradient to one process's.
 
 # %%
 def divisor(grads, reference, name):
@@ -448,32 +513,41 @@ def divisor(grads, reference, name):
     return ratio({name: grads[name]}, {name: reference[name]})
 
 
+def over_tp(grad_placements):
+    """What the TP ranks must do with a gradient of these placements."""
+    kind = grad_placements[1:-2]  # "(Partial(sum),)": one mesh dimension's placement
+    return f"{kind}: all-reduce SUM" if kind.startswith("Partial") else f"{kind}: nothing"
+
+
 kinds = fsdp_tp_results["sum / data-rank count"]["kinds"]
+counted = (f"reduce-scatter ×{default['backward'][reduce_scatter]}, "
+           f"all-reduce ×{default['backward']['all_reduce']}")
 sums = {"HSDP": (hsdp_results["factor = 1 (the sum)"], hsdp_reference),
         "FSDP × TP": (fsdp_tp_results["sum / data-rank count, factor 1"], fsdp_tp_reference),
         "TP": (tp0, tp_reference)}
-rows = [  # kind, example, run, its placements, the mesh dimensions that sum its gradient, op
-    ("HSDP, every parameter", "0.weight", "HSDP", hsdp_results["default factor"]["placements"],
-     "shard, replicate", "reduce-scatter, all-reduce"),
-    ("TP-sharded", "w1.weight", "FSDP × TP", kinds["w1.weight"], "dp", "FSDP's reduce-scatter"),
-    ("TP-replicated under SP", "norm.weight", "FSDP × TP", kinds["norm.weight"], "dp, tp",
-     f"FSDP's; tp: {sp0['norm grad'][1:-2]} → SUM"),
-    ("TP-replicated, plain TP", "2.bias", "TP", tp0["kinds"]["2.bias"], "(none)",
-     "each rank has it whole"),
+rows = [  # kind, example, run, its placements, over dp (FSDP), over tp
+    ("HSDP, every parameter", "0.weight", "HSDP", default["placements"], counted, "(no tp)"),
+    ("TP-sharded", "w1.weight", "FSDP × TP", kinds["w1.weight"], "FSDP",
+     over_tp(sp0["grad kinds"]["w1.weight"])),
+    ("TP-replicated under SP", "norm.weight", "FSDP × TP", kinds["norm.weight"], "FSDP",
+     over_tp(sp0["grad kinds"]["norm.weight"])),
+    ("TP-replicated, plain TP", "2.bias", "TP", tp0["kinds"]["2.bias"], "(no dp)",
+     over_tp(tp0["kinds"]["2.bias"])),
 ]
-print(f"{'parameter kind':<25}{'example':<12}{'placements':<36}{'summed over':<18}"
-      f"{'op':<31}divide by")
+print(f"{'parameter kind':<25}{'example':<12}{'placements':<44}{'over dp':<36}"
+      f"{'over tp':<32}divide by")
 measured = []
-for kind, name, run, placed, dims, op in rows:
+for kind, name, run, placed, dp, tp in rows:
     measured.append(divisor(sums[run][0]["grads"], sums[run][1]["grads"], name))
-    print(f"{kind:<25}{name:<12}{placed:<36}{dims:<18}{op:<31}{measured[-1]:g}")
+    print(f"{kind:<25}{name:<12}{placed:<44}{dp:<36}{tp:<32}{measured[-1]:g}")
 assert [round(m, 12) for m in measured] == [MESH_RANKS, MESH_SHAPE[0], MESH_SHAPE[0], 1]
+assert [r[5].split(":")[1] for r in rows[1:]] == [" nothing", " all-reduce SUM", " nothing"]
 assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in rows[2][3]
 
 # %% [markdown]
-# The rule behind the table: divide once, by the data-parallel ranks (FSDP2's factor, R·S or
-# dp); sum over the TP ranks the gradients of which each holds a share; leave alone what each
-# rank holds whole.
+# The rule behind the table has three parts. Divide once, by the data-parallel ranks (FSDP2's
+# factor: R·S, or dp). Sum over the TP ranks a gradient of which each holds a share. Leave alone
+# what each rank holds whole.
 #
 # ## Copy this into your code
 #
@@ -576,8 +650,8 @@ assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in
 #     state = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank calls it
 #     for name, p in whole.state_dict().items():
 #         torch.testing.assert_close(state[name], p)
-#     print(f"rank {dist.get_rank()} (dp {dp}, tp {tp}): after 3 steps the model equals one "
-#           "process's on the whole batch")
+#     print(f"rank {dist.get_rank()}: dp {dp}, tp {tp}, on {device.type} ({dist.get_backend()}); "
+#           "after 3 steps the model equals one process's on the whole batch")
 #     dist.destroy_process_group()
 #
 #
@@ -612,8 +686,8 @@ gst.exercises.check_gradient_plan(gradient_plan)
 # %% [markdown]
 # ## Summary
 #
-# - Divide by the data-parallel ranks once: FSDP2's default, or `set_gradient_divide_factor`
-#   set to R·S on an HSDP mesh, never to the shard size.
+# - Divide by the data-parallel ranks once. FSDP2's default does it; so does
+#   `set_gradient_divide_factor(R·S)` on an HSDP mesh. The shard size is wrong.
 # - Each rank's loss is its sum over its data rank's count, every sequence shard included.
 # - A parameter replicated over TP ranks that see different tokens gets a **sum**. DTensor
 #   keeps it `Partial(sum)`; code by hand must all-reduce with `SUM`.
