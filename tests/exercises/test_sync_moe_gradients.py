@@ -69,7 +69,8 @@ WRONG = [
      r"^right on 2 ranks and on 3 ranks, but on 4 ranks: on rank \d, you did not sum the "
      r"expert gradients over expert_group"),
     ("experts summed, not divided", _sync(expert_by="none"),
-     ON_2 + r"you summed the expert gradients over expert_group but did not divide"),
+     ON_2 + r"your expert gradients are 2× the expected ones \(EP = 2\): you divided the sum "
+            r"over expert_group by its size \(1 here\), or not at all\."),  # 1 rank: the same
     ("experts ÷ a hard-coded 2", _sync(expert_by=2),
      r"^right on 2 ranks, but on 3 ranks: on rank \d, the expert gradients are 1\.5× the "
      r"expected ones"),
