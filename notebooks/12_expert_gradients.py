@@ -321,6 +321,7 @@ for size in SIZES:
     for r in mixed:
         assert (r["grads"]["weight"] - both).abs().max() <= 1e-15
         assert r["expert"] > 1e-3
+    assert abs(mixed[0]["ratio"] - mixed[1]["ratio"]) > 0.01  # expert 0's, expert 1's
 
 # %% [markdown]
 # Both experts then take the same step, each with the other's gradient mixed in. The ratios
@@ -422,8 +423,8 @@ for e in range(EP):
 # %% [markdown]
 # Dividing by an expert's own count would scale it by W · TOKENS / count, a different factor
 # per expert. What uneven routing does change: the split sizes of both `all_to_all`s, and each
-# expert's share of the work. What changes the denominator is tokens per *rank*: then use
-# notebook 07's global count, and sum without dividing by W.
+# expert's share of the work. A different number of tokens per *rank* would change the
+# denominator: that is notebook 07's case, with its global token count.
 #
 # A router can also send no token at all to an expert. Here its bias sends every token to
 # expert 0. Expert 1 then runs on an empty tensor, and its gradient is zero, not `None`:
@@ -450,8 +451,19 @@ print("expert 1, 0 tokens: its gradient is zeros on its ranks, as in one process
 
 # %% [markdown]
 # Zeros, not `None`, matter twice. Every rank of the EDP group must call the same all-reduce,
-# or the group hangs. And an optimizer skips a parameter whose `.grad` is `None`. Then momentum
-# and weight decay stop for that expert on that rank, and its copies drift apart. NeMo
+# or the group hangs (notebook 04's skipped collective). And an optimizer skips a parameter
+# whose `.grad` is `None`, weight decay included:
+
+# %%
+for grad in (None, torch.zeros(2)):
+    p = nn.Parameter(torch.ones(2))
+    p.grad = grad
+    torch.optim.AdamW([p], lr=0.1, weight_decay=0.5).step()
+    print(f".grad {'None' if grad is None else 'zeros'}: after one AdamW step {p.tolist()}")
+    assert torch.equal(p.detach(), torch.ones(2)) == (grad is None)  # None: not even decayed
+
+# %% [markdown]
+# So that expert's copies drift apart: one rank decays it, another does not. NeMo
 # Automodel#2995 (2026) fixed exactly that: "leaving every other local expert with
 # `grad=None`. Those parameters then skip momentum decay, decoupled weight decay, and their
 # optimizer step". So never skip an expert that received no tokens; run it on the empty tensor.
@@ -655,8 +667,8 @@ assert all(any(abs(x - 1) > 0.1 for x in c[3]) for c in checks if c not in exact
 #         torch.testing.assert_close(g_, dict(whole.named_parameters())[n].grad)
 #     w = f"experts.{ep_rank}.weight"
 #     torch.testing.assert_close(grads["÷ EDP"][w], EP * dict(whole.named_parameters())[w].grad)
-#     print(f"rank {rank} (expert {ep_rank}, EDP {world_size // EP}): gradients == one process's; "
-#           f"÷ the EDP size gives {EP}× the expert's")
+#     print(f"rank {rank}: on {device.type} ({dist.get_backend()}), expert {ep_rank}, EDP "
+#           f"{world_size // EP}: gradients == one process's; ÷ the EDP size gives {EP}×")
 #     dist.destroy_process_group()
 #
 #

@@ -125,8 +125,8 @@ def main():
         torch.testing.assert_close(g_, dict(whole.named_parameters())[n].grad)
     w = f"experts.{ep_rank}.weight"
     torch.testing.assert_close(grads["÷ EDP"][w], EP * dict(whole.named_parameters())[w].grad)
-    print(f"rank {rank} (expert {ep_rank}, EDP {world_size // EP}): gradients == one process's; "
-          f"÷ the EDP size gives {EP}× the expert's")
+    print(f"rank {rank}: on {device.type} ({dist.get_backend()}), expert {ep_rank}, EDP "
+          f"{world_size // EP}: gradients == one process's; ÷ the EDP size gives {EP}×")
     dist.destroy_process_group()
 
 

@@ -253,11 +253,18 @@ DIAGNOSES = (_no_gradient, _dense_wrong, _expert_wrong)
 
 
 def _verified(runs: Sequence[Run]) -> str:
-    layouts = ", ".join(f"EP {r.out['ep']} × EDP {r.size // r.out['ep']} (tokens per expert "
-                        f"{r.out['counts']})" for r in runs)
-    return (f"{common.sizes_text(runs)} ({layouts}), every rank's dense and expert gradients "
-            "are one process's on every rank's tokens; collectives on rank 0 of the last: "
-            f"{evidence.calls_text(runs[-1].out['calls'])}.")
+    """"on 2 and 3 ranks (EP 2 and 3, EDP 1), on 4 ranks (EP 2 × EDP 2), ...": the runs
+    grouped by the size of their expert-data-parallel groups."""
+    by_edp: dict[int, list[Run]] = {}
+    for run in runs:
+        by_edp.setdefault(run.size // run.out["ep"], []).append(run)
+    parts = [f"on {' and '.join(str(r.size) for r in group)} ranks (EP "
+             f"{' and '.join(str(r.out['ep']) for r in group)} × EDP {edp})"
+             for edp, group in by_edp.items()]
+    counts = ", ".join(str(r.out["counts"]) for r in runs)
+    return (f"{', '.join(parts)}, tokens per expert {counts}: every rank's dense and expert "
+            "gradients are one process's on every rank's tokens; collectives on rank 0 of the "
+            f"last run: {evidence.calls_text(runs[-1].out['calls'])}.")
 
 
 @common.exercise("12_expert_gradients.ipynb",

@@ -94,4 +94,4 @@ def test_a_wrong_answer_is_rejected_with_what_is_wrong(mistake, wrong, message):
 def test_the_reference_solution_says_what_it_verified(capsys):
     check(NAME)(solution(NAME), world_size=4)
     out = capsys.readouterr().out
-    assert out.startswith("✓ correct: on 4 ranks (EP 2 × EDP 2 (tokens per expert ")
+    assert out.startswith("✓ correct: on 4 ranks (EP 2 × EDP 2), tokens per expert [")
