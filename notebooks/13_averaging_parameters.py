@@ -248,8 +248,9 @@ assert apart > 1e-2 and mean_vs_averaged <= 1e-13
 # averaging "for vanilla SGD (or with momentum), but will be false for optimizers like Adam
 # which accumulate and use statistics nonlinearly (e.g. dividing by moments)"
 # ([horovod#651](https://github.com/horovod/horovod/issues/651)). Adam's first step is
-# lr · g / (|g| + ε), element by element: about lr · sign(g). With parameter averaging, each rank takes its own sign; the average of the signs
-# is not the sign of the average gradient. Checked on step 1, against that formula:
+# lr · g / (|g| + ε), element by element: about lr · sign(g). With parameter averaging, each
+# rank takes its own sign; the average of the signs is not the sign of the average gradient.
+# Checked on step 1, against that formula:
 
 # %%
 def first_gradients():
@@ -478,7 +479,9 @@ def one_step_gradients(rank, world_size, divide_by_world_size):
     participating = rank != world_size - 1  # the last replica is healing this step
     grads = [p.grad for p in model.parameters()]
     average_over_participants(grads, participating, divide_by_world_size)
-    return flat(grads)
+    weights = [p.detach().clone() for p in model.parameters()]  # local SGD's average instead
+    average_over_participants(weights, participating, divide_by_world_size)
+    return {"grads": flat(grads), "weights": flat(weights)}
 
 
 out = {flag: gst.launch(one_step_gradients, WORLD_SIZE, (flag,)) for flag in (False, True)}
@@ -493,22 +496,36 @@ x, y = global_batch(0)
 taking_part = torch.cat([torch.arange(len(x))[r::WORLD_SIZE] for r in range(WORLD_SIZE - 1)])
 F.mse_loss(model(x[taking_part]), y[taking_part]).backward()
 reference = flat(p.grad for p in model.parameters())
-right, by_world = out[False][0], out[True][0]
+right, by_world = out[False][0]["grads"], out[True][0]["grads"]
 ratio = (by_world.norm() / reference.norm()).item()
 print(f"{WORLD_SIZE - 1} of {WORLD_SIZE} replicas: divided by the participants, vs one process "
       f"on their data {distance(right, reference):.2g}; divided by the world size: "
       f"{ratio:.4f} x the right gradient")
 assert distance(right, reference) <= 1e-15
-assert all(torch.equal(r, right) for r in out[False])  # the healing replica receives it too
+assert all(torch.equal(r["grads"], right) for r in out[False])  # the healing one receives it
 assert torch.allclose(by_world, reference * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13, atol=0)
 assert abs(ratio - (WORLD_SIZE - 1) / WORLD_SIZE) <= 1e-13
 
 # %% [markdown]
 # Dividing by the world size scales the step by (N − 1) / N while a replica heals: a learning
 # rate that jumps whenever one leaves. Averaging *parameters* that way is worse: the weights
-# themselves shrink by that factor. The same goes for the batch and the logged loss. torchft#292
-# notes that "When the replica group world size changes, the total batch size used for gradient
-# aggregation will change" ([torchft#292](https://github.com/meta-pytorch/torchft/pull/292)).
+# themselves shrink by that factor. The same worker averaged the initial weights too, equal on
+# every rank:
+
+# %%
+torch.manual_seed(SEED)
+theta0 = flat(make_model().parameters())  # the initial weights, as every rank builds them
+kept, shrunk = out[False][0]["weights"], out[True][0]["weights"]
+print(f"weights averaged over the participants vs the weights: {distance(kept, theta0):.2g}; "
+      f"over the world size: {(shrunk.norm() / theta0.norm()).item():.4f} x the weights")
+assert distance(kept, theta0) <= 1e-15
+assert torch.allclose(shrunk, theta0 * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13, atol=0)
+
+# %% [markdown]
+# The batch changes with the participants too: torchft#292 notes that "When the replica group
+# world size changes, the total batch size used for gradient aggregation will change"
+# ([torchft#292](https://github.com/meta-pytorch/torchft/pull/292)). Divide by the samples that
+# took part, and the step is one process's on them, as checked above.
 #
 # ## Copy this into your code
 #
