@@ -38,6 +38,7 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from gradsync_tutorial.launcher import cells as _cells
 from gradsync_tutorial.launcher import hang_report as _where
 from gradsync_tutorial.launcher import own_group as _own_group
 from gradsync_tutorial.launcher.protocol import (
@@ -76,7 +77,7 @@ def _dumps_result(obj) -> bytes:
                 if isinstance(o, torch.nn.Parameter):  # stays a Parameter, as it was
                     cpu = torch.nn.Parameter(cpu, requires_grad=o.requires_grad)
                 return cpu.__reduce_ex__(self.proto)
-            return super().reducer_override(o)
+            return _cells.by_reference(o) or super().reducer_override(o)
 
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -421,7 +422,7 @@ def _pickle_notebook_objects_by_value() -> None:
         if isinstance(obj, (type, types.FunctionType)) and not _importable(obj):
             import cloudpickle
 
-            return cloudpickle.loads, (cloudpickle.dumps(obj),)
+            return cloudpickle.loads, (_cells.dumps(obj),)
         return NotImplemented
 
     ForkingPickler.reducer_override = reducer_override
