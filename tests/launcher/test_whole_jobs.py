@@ -58,3 +58,65 @@ def test_an_unpicklable_global_is_named_as_what_fn_uses_not_as_an_argument():
     with pytest.raises(TypeError) as caught:
         gst.launch(lambda rank, world_size, x: rank, 2, args=(threading.Lock(),))
     assert "args[0]" in str(caught.value)
+
+
+# -- (2) the early stop: only a collective (or send/recv) of a group a returned rank is in --------
+
+
+def test_a_subgroup_made_with_local_synchronization_is_not_stopped_early():
+    def fn(rank, world_size):
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        if rank == 0:
+            return "skipped"  # the flag exists so that rank 0 need not call new_group
+        if rank == 2:
+            time.sleep(5)  # late: rank 1 waits in new_group meanwhile, in no collective
+        pair = dist.new_group([1, 2], use_local_synchronization=True)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pair)
+        return t.item()
+
+    assert gst.launch(fn, world_size=3, timeout=120) == ["skipped", 2.0, 2.0]
+
+
+def test_a_checkpoint_saved_alone_is_not_stopped_early(tmp_path):
+    def fn(rank, world_size, folder):
+        import time
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        if rank == 1:  # saved by rank 1 alone, as no_dist=True allows, again and again for 6 s
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single..."
+            state = {f"w{i}": torch.randn(512, 512) for i in range(20)}
+            end = time.monotonic() + 6
+            while time.monotonic() < end:
+                dcp.save(state, checkpoint_id=str(folder / "step"), no_dist=True)
+        return rank
+
+    assert gst.launch(fn, 2, args=(tmp_path,), timeout=120) == [0, 1]
+    assert (tmp_path / "step" / ".metadata").exists()
+
+
+def test_a_monitored_barrier_whose_coordinator_returned_fails_at_once():
+    import time
+
+    def fn(rank, world_size):
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if rank == 1:  # rank 0, its coordinator, never calls it: it returns at once
+            dist.monitored_barrier(timeout=timedelta(seconds=100))
+        return rank
+
+    start = time.monotonic()
+    with pytest.raises(gst.LaunchTimeoutError) as caught:
+        gst.launch(fn, world_size=2, timeout=100)
+    assert time.monotonic() - start < 30  # torchrun fails in seconds, not at the 100 s timeout
+    message = str(caught.value)
+    assert "rank 0 returned" in message and "rank 1 is waiting in dist.monitored_barrier" in message
