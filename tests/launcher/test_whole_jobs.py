@@ -120,3 +120,61 @@ def test_a_monitored_barrier_whose_coordinator_returned_fails_at_once():
     assert time.monotonic() - start < 30  # torchrun fails in seconds, not at the 100 s timeout
     message = str(caught.value)
     assert "rank 0 returned" in message and "rank 1 is waiting in dist.monitored_barrier" in message
+
+
+# -- (3) threads fn leaves running finish, as at the exit of a torchrun process ----------------
+
+
+def test_a_thread_fn_left_running_finishes_before_the_launch_returns(tmp_path):
+    def fn(rank, world_size, folder):
+        import threading
+        import time
+
+        def save():
+            time.sleep(2)  # a background save, still writing when fn returns
+            (folder / f"rank{rank}").write_text("saved")
+
+        threading.Thread(target=save, name="background-save").start()
+        return rank
+
+    assert gst.launch(fn, 2, args=(tmp_path,), timeout=60) == [0, 1]
+    gst.shutdown_workers()  # under torchrun the process would have waited for the thread
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
+def test_work_queued_on_an_executor_finishes_and_an_idle_one_does_not_hold_the_launch(tmp_path):
+    def fn(rank, world_size, folder):
+        import builtins
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        def save():
+            time.sleep(2)
+            (folder / f"rank{rank}").write_text("saved")
+
+        ThreadPoolExecutor(1).submit(save)  # dropped: its thread ends after the save
+        builtins.idle_pool = kept = ThreadPoolExecutor(2)  # kept alive, idle, across the job
+        kept.submit(time.sleep, 0).result()
+        return rank
+
+    start = __import__("time").monotonic()
+    assert gst.launch(fn, 2, args=(tmp_path,), timeout=60) == [0, 1]
+    assert __import__("time").monotonic() - start < 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
+def test_a_thread_that_never_ends_is_named_at_the_timeout():
+    def fn(rank, world_size):
+        import threading
+        import time
+
+        def forever():
+            while True:
+                time.sleep(0.1)
+
+        threading.Thread(target=forever, name="never-ending").start()
+        return rank
+
+    with pytest.raises(gst.LaunchTimeoutError) as caught:
+        gst.launch(fn, world_size=2, timeout=5)
+    assert "'never-ending'" in str(caught.value) and "in forever" in str(caught.value)
