@@ -24,10 +24,12 @@ Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
 from __future__ import annotations
 
 import functools
+import importlib
 import io
 import linecache
 import os
 import re
+import sys
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -40,17 +42,76 @@ def serialize(fn, args: Sequence[Any]) -> tuple[bytes, dict[str, list[str]]]:
     try:
         pickler.dump((fn, tuple(args)))
     except Exception as e:
-        raise TypeError(
-            f"could not send fn and args to the workers: {type(e).__name__}: {e}. Everything "
-            "fn uses is copied to each rank, so it must be serializable: pass tensors, numbers "
-            "and plain containers, and create objects such as open files, locks, data loaders "
-            "or process groups inside fn."
-        ) from e
+        raise TypeError(f"could not send fn and args to the workers: {type(e).__name__}: {e}. "
+                        f"{_unpicklable_part(fn, args)}") from e
     # A notebook cell is no file on disk: send its lines, so that a rank's tracebacks and
     # warnings quote them.
     sources = {name: linecache.getlines(name) for name in pickler.filenames
                if not os.path.exists(name) and linecache.getlines(name)}
     return buffer.getvalue(), sources
+
+
+def _unpicklable_part(fn, args: Sequence[Any]) -> str:
+    """Which part of ``(fn, args)`` cannot be sent, and what to do: an argument, or a global or
+    closure variable that ``fn`` uses (then it was passed nothing wrong)."""
+    def fails(obj) -> bool:
+        try:
+            _pickler_class()(io.BytesIO()).dump(obj)
+        except Exception:  # noqa: BLE001 - any error: this part cannot be sent
+            return True
+        return False
+
+    bad_args = [f"args[{i}] ({type(a).__name__})" for i, a in enumerate(args) if fails(a)]
+    if bad_args:
+        return (f"Every argument is copied to each rank, and {', '.join(bad_args)} cannot be: "
+                "pass tensors, numbers and plain containers, and create objects such as open "
+                "files, locks, data loaders or process groups inside fn.")
+    used = _names_used(fn)
+    bad = [f"`{name}` ({type(value).__name__})" for name, value in used.items() if fails(value)]
+    what = (f"fn uses {', '.join(bad)}, a global or closure variable" if bad
+            else "fn uses a global or closure variable that")
+    return (f"{what} which cannot be copied to each rank: create it inside fn (or import the "
+            "module it comes from there).")
+
+
+def _names_used(fn) -> dict[str, Any]:
+    """The globals and closure variables ``fn``'s code (and its nested code) refers to."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names |= set(c.co_names)
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    found = {n: fn.__globals__[n] for n in sorted(names) if n in getattr(fn, "__globals__", {})}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return found
+
+
+def by_reference(obj):
+    """How to pickle a module that a plain pickler copies by value, or None.
+
+    torch puts module *subclasses* in ``sys.modules`` (``torch.backends.cudnn`` is a
+    ``CudnnModule``); cloudpickle sends plain modules importable by name as a reference, but
+    not these (``cannot pickle 'CudnnModule' object``). One importable by name is imported by
+    name on the other side, as a plain module is.
+    """
+    if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+            and sys.modules.get(obj.__name__) is obj):
+        return importlib.import_module, (obj.__name__,)
+    return None
+
+
+def dumps(obj) -> bytes:
+    """``obj`` pickled as :func:`serialize` pickles ``fn`` (with :func:`by_reference`)."""
+    buffer = io.BytesIO()
+    _pickler_class()(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _pickler_class():
@@ -61,7 +122,7 @@ def _pickler_class():
     class KeepFileNames(cloudpickle.Pickler):
         """cloudpickle, except that code keeps its file name (not ``<dynamic-code>``), so a
         rank's tracebacks and warnings from a notebook cell's functions and classes point to
-        the cell."""
+        the cell; and torch's module subclasses go by name (:func:`by_reference`)."""
 
         def __init__(self, file):
             super().__init__(file)
@@ -73,6 +134,9 @@ def _pickler_class():
                 make, fields = reduce_code(obj)
                 return make, tuple(obj.co_filename if isinstance(f, str) and
                                    f == "<dynamic-code>" else f for f in fields)
+            reference = by_reference(obj)
+            if reference is not None:
+                return reference
             return super().reducer_override(obj)
 
     return KeepFileNames

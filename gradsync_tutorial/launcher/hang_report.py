@@ -72,8 +72,8 @@ def stack_report(job_id: int, thread_id: int, collectives: int | None) -> StackR
     own_at = [i for i, (f, _) in enumerate(stack) if _own(f.f_code.co_filename)]
     own = tuple(_frame(*stack[i]) for i in reversed(own_at[:MAX_FRAMES]))  # outermost first
     below = stack[:own_at[0]] if own_at else stack  # what the rank's own code called
-    waiting_in, peers = _blocked_in([f for f, _ in reversed(below)])
-    return StackReport(job_id, own, waiting_in, collectives, peers)
+    waiting_in, peers, inside = _blocked_in([f for f, _ in reversed(below)])
+    return StackReport(job_id, own, waiting_in, collectives, peers, inside=inside)
 
 
 def _frame(f, lineno: int) -> Frame:
@@ -82,26 +82,46 @@ def _frame(f, lineno: int) -> Frame:
                  linecache.getline(filename, lineno or 0, f.f_globals).strip())
 
 
-def _blocked_in(frames: list) -> tuple[str, tuple[int, ...] | None]:
-    """The outermost torch.distributed call among ``frames`` (outermost first), and its peers.
+_C10D = "torch/distributed/distributed_c10d.py"  # where every collective is defined
+# torch.distributed's decorators: their frames name no call of the rank's.
+_WRAPPERS = ("wrapper", "<lambda>", "inner_func", "inner", "_wrapper", "wrapped")
 
-    ``fn``'s own ``init_process_group`` runs through :mod:`.own_group`, which may wait in a
-    barrier or a store of its own: the rank is waiting in ``init_process_group`` then.
+
+def _blocked_in(frames: list) -> tuple[str, tuple[int, ...] | None, str]:
+    """The collective (or send/recv) the rank waits in among ``frames`` (outermost first), the
+    ranks it waits for, and else the torch.distributed call it is inside.
+
+    Only the calls :data:`~gradsync_tutorial.detect.COUNTED_FUNCTIONS` names, of
+    ``distributed_c10d`` (not a method of the same name elsewhere), wait for peers;
+    a rank inside any other function of torch.distributed (``new_group`` with
+    ``use_local_synchronization=True``, ``dcp.save(..., no_dist=True)``) is busy, not waiting
+    (third value). ``fn``'s own ``init_process_group`` runs through :mod:`.own_group`, which
+    may wait in a barrier or a store of its own: the rank is waiting in it then.
     """
+    from gradsync_tutorial.detect import COUNTED_FUNCTIONS
+
+    inside = ""
     for f in frames:
         name = f.f_code.co_name
         if name == "init_process_group" and os.path.abspath(f.f_code.co_filename) == _OWN_GROUP:
-            return f"dist.init_process_group{_rendezvous(f.f_locals)}", None
+            return f"dist.init_process_group{_rendezvous(f.f_locals)}", None, ""
         path = f.f_code.co_filename.replace(os.sep, "/")
-        if "torch/distributed/" in path and name not in ("wrapper", "<lambda>"):
+        if "torch/distributed/" in path and name not in _WRAPPERS:
             if name == "init_process_group":
-                return f"dist.init_process_group{_rendezvous(f.f_locals)}", None
-            return f"dist.{name}", _peers(name, f.f_locals)
-    return "", None
+                return f"dist.init_process_group{_rendezvous(f.f_locals)}", None, ""
+            if name in COUNTED_FUNCTIONS and path.endswith(_C10D):  # not dcp's own all_reduce
+                return f"dist.{name}", _peers(name, f.f_locals), ""
+            inside = inside or f"dist.{name}"
+    return "", None, inside
 
 
 def _peers(name: str, local_vars: dict) -> tuple[int, ...] | None:
-    """The ranks a torch.distributed call waits for: its group's, or its send/recv peer."""
+    """The ranks a torch.distributed call waits for: its group's, or its send/recv peer.
+
+    ``monitored_barrier``: a rank waits for the group's rank 0, its coordinator, which itself
+    waits for everyone until the barrier's own timeout, then names the missing ranks (None:
+    that wait ends by itself).
+    """
     try:
         import torch.distributed as dist
 
@@ -110,8 +130,12 @@ def _peers(name: str, local_vars: dict) -> tuple[int, ...] | None:
             return None if peer is None else (int(peer),)
         group = local_vars.get("group")
         if group is None or group is dist.GroupMember.WORLD:
-            return tuple(range(dist.get_world_size()))
-        return tuple(dist.get_process_group_ranks(group))
+            members = tuple(range(dist.get_world_size()))
+        else:
+            members = tuple(dist.get_process_group_ranks(group))
+        if name == "monitored_barrier":
+            return None if dist.get_rank() == members[0] else members[:1]
+        return members
     except Exception:  # noqa: BLE001 - a group torch no longer knows: say nothing
         return None
 
@@ -186,13 +210,16 @@ def describe(world_size: int, reports: dict[int, StackReport], finished: dict[in
             waiting[rank] = (report.waiting_in, n)
         else:
             place = _place(report.frames[-1], label) if report.frames else "code of its own"
-            lines.append(f"rank {rank} is at {place}, after {_collectives(report.collectives)}")
+            busy = f" in {report.inside} (no collective)," if report.inside else ""
+            lines.append(f"rank {rank} is{busy} at {place}, after "
+                         f"{_collectives(report.collectives)}")
             behind[rank] = report.collectives
     return "\n".join(lines + _diagnosis(waiting, behind, init_waits))
 
 
-# Waits that end by themselves: a rendezvous (reported as such), a barrier with its own timeout.
-SELF_ENDING = ("dist.init_process_group", "dist.monitored_barrier")
+# Waits that end by themselves: a rendezvous (reported as such). (A monitored barrier's
+# coordinator, which ends at its own timeout, reports no peers: see _peers.)
+SELF_ENDING = ("dist.init_process_group",)
 
 
 def waits_for_a_returned_rank(reports: dict[int, StackReport],
@@ -201,9 +228,10 @@ def waits_for_a_returned_rank(reports: dict[int, StackReport],
 
     Then it can never finish: the returned rank makes no more calls in this job. A rank that
     returned after its part of that very collective has sent all it had to send, so the rank
-    still in it finishes at once; one found there again later is waiting for good. Except in
-    ``dist.monitored_barrier``: it ends by itself at its own timeout, with torch's error naming
-    the ranks that did not arrive, which is what its caller asked for.
+    still in it finishes at once; one found there again later is waiting for good. Only real
+    collectives and send/recv count (``peers`` is None otherwise); in ``dist.monitored_barrier``
+    only a rank whose coordinator returned (the coordinator itself ends at the barrier's own
+    timeout, with torch's error naming the ranks that did not arrive).
     """
     finished = set(finished)
     return any(report.waiting_in

@@ -120,11 +120,11 @@ class StackReport(JobMessage):
     """Where a rank's job was when the launcher asked.
 
     ``frames``: the rank's own frames, outermost first (the launcher's and torch's left out).
-    ``waiting_in``: the innermost call it is blocked in below its own code (for example
-    ``"torch.distributed.all_reduce"``), or ``""``. ``collectives``: how many collective calls
-    it had entered so far, ``None`` if unknown. ``peers``: the ranks the call it waits in
-    waits for (its group, or the peer of a send/recv), ``None`` if unknown. ``error``: why the
-    stack could not be read, if it could not.
+    ``waiting_in``: the collective or send/recv it is blocked in below its own code (for
+    example ``"dist.all_reduce"``), or ``""``. ``collectives``: how many collective calls it
+    had entered so far, ``None`` if unknown. ``peers``: the ranks the call it waits in waits
+    for (its group, or the peer of a send/recv), ``None`` if unknown or none. ``error``: why
+    the stack could not be read, if it could not.
     """
 
     frames: tuple[Frame, ...]
@@ -132,3 +132,4 @@ class StackReport(JobMessage):
     collectives: int | None
     peers: tuple[int, ...] | None = None
     error: str = ""
+    inside: str = ""  # the torch.distributed call it is busy in when it waits in no collective

@@ -61,8 +61,10 @@ shown); signal handlers; the recursion limit; any function of ``builtins``, ``to
 What cannot be put back is a library's process-wide state, so a job that imported one of
 :data:`~gradsync_tutorial.launcher.worker.STATEFUL_LIBRARIES` (Accelerate, Lightning, DeepSpeed,
 ...), or a module of the user's own from inside ``fn``, retires its workers: the launch says so
-in one line, and the next launch starts fresh interpreters, as every torchrun does. Not reset
-otherwise: other modules' globals, threads a job left running, CUDA state.
+in one line, and the next launch starts fresh interpreters, as every torchrun does. Threads
+a job left running (a background save) are waited for before the rank returns, as a process
+waits for them before it exits (a thread pool's idle threads excepted). Not reset otherwise:
+other modules' globals, CUDA state.
 ``reuse_workers=False`` gives every launch fresh interpreters.
 
 Platforms

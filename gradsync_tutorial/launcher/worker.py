@@ -20,6 +20,7 @@ A warm worker runs many jobs, so before each one it puts back what a fresh inter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import linecache
@@ -38,6 +39,7 @@ import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+from gradsync_tutorial.launcher import cells as _cells
 from gradsync_tutorial.launcher import hang_report as _where
 from gradsync_tutorial.launcher import own_group as _own_group
 from gradsync_tutorial.launcher.protocol import (
@@ -76,7 +78,7 @@ def _dumps_result(obj) -> bytes:
                 if isinstance(o, torch.nn.Parameter):  # stays a Parameter, as it was
                     cpu = torch.nn.Parameter(cpu, requires_grad=o.requires_grad)
                 return cpu.__reduce_ex__(self.proto)
-            return super().reducer_override(o)
+            return _cells.by_reference(o) or super().reducer_override(o)
 
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
@@ -164,6 +166,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
 
     counter = CollectiveCounter()
     before = set(sys.modules)
+    threads_before = {t.ident for t in threading.enumerate()}
     try:
         _reset_globals()
         # Undo a previous job's swap (or close) of the streams.
@@ -191,6 +194,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
             if channel is not None:
                 channel.counter = counter
             result = fn(rank, world_size, *args)
+        _wait_for_threads(threads_before, channel)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             return _raised(job.job_id, exc)
@@ -210,6 +214,40 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
                       f"serialized back to the notebook: {exc}. Return tensors, numbers, "
                       "lists or dicts of them (for a model, return model.state_dict())."),
         )
+
+
+def _wait_for_threads(before: set, channel: _Channel | None) -> None:
+    """Wait for the threads ``fn`` left running, as a process waits for them before it exits.
+
+    Under torchrun a background save (``dcp.async_save``, a thread of the user's) finishes
+    before the rank's process ends; here the worker outlives the job, so it waits as Python's
+    exit does: for every non-daemon thread the job started, except a thread pool's idle thread
+    (at exit Python would shut its pool down). Past the launch's timeout the hang report names
+    the thread it waits for, and where that thread is (see :func:`_answer`).
+    """
+    me = threading.current_thread()
+    while True:
+        running = [t for t in threading.enumerate() if t.ident not in before and t is not me
+                   and not t.daemon and t.is_alive() and not _idle_pool_thread(t)]
+        if not running:
+            break
+        if channel is not None:
+            channel.waiting_for = running[0]
+        running[0].join(0.02)  # again: the pool's own threads may be idle by now
+    if channel is not None:
+        channel.waiting_for = None
+
+
+def _idle_pool_thread(thread: threading.Thread) -> bool:
+    """A ``ThreadPoolExecutor`` thread waiting for work that is not there."""
+    from concurrent.futures import thread as pool_threads
+
+    if getattr(thread, "_target", None) is not pool_threads._worker:
+        return False
+    frame = sys._current_frames().get(thread.ident)  # innermost: it waits in C, no frame
+    work_queue = (getattr(thread, "_args", ()) or (None, None))[1]
+    return (frame is not None and frame.f_code is pool_threads._worker.__code__
+            and work_queue is not None and work_queue.empty())
 
 
 # -- what a fresh interpreter has, put back before every job ----------------------------------
@@ -421,7 +459,7 @@ def _pickle_notebook_objects_by_value() -> None:
         if isinstance(obj, (type, types.FunctionType)) and not _importable(obj):
             import cloudpickle
 
-            return cloudpickle.loads, (cloudpickle.dumps(obj),)
+            return cloudpickle.loads, (_cells.dumps(obj),)
         return NotImplemented
 
     ForkingPickler.reducer_override = reducer_override
@@ -623,6 +661,7 @@ class _Channel:
         self.lock = threading.Lock()
         self.counter = None  # the job's CollectiveCounter while fn runs
         self.job_thread = threading.get_ident()
+        self.waiting_for: threading.Thread | None = None  # a thread fn left running
 
     def send(self, message) -> None:
         with self.lock:
@@ -674,8 +713,14 @@ def _answer(channel: _Channel, request: StackRequest) -> None:
     is the one that notices the launcher going away)."""
     counter = channel.counter
     collectives = None if counter is None else counter.total
+    left = channel.waiting_for
     try:
-        report = _where.stack_report(request.job_id, channel.job_thread, collectives)
+        report = _where.stack_report(request.job_id, channel.job_thread if left is None
+                                     else left.ident, collectives)
+        if left is not None and not report.waiting_in:
+            report = dataclasses.replace(report, inside=(
+                f"thread {left.name!r}, which fn left running: the rank waits for it as a "
+                "process waits for its threads before it exits"))
     except Exception as e:  # noqa: BLE001 - a report that cannot be built is still an answer
         report = _where.failed_report(request.job_id, collectives, e)
     try:
