@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -154,6 +155,7 @@ GPU_RULE_CASES = [  # GPUs on the machine, LOCAL_RANK, LOCAL_WORLD_SIZE -> backe
     (0, 1, 2, "gloo", "cpu"),
     (1, 0, 1, "nccl", "cuda:0"),     # one GPU, one rank
     (1, 1, 2, "gloo", "cpu"),        # one GPU, two ranks: nccl cannot share it; every rank gloo
+    (4, 5, 8, "gloo", "cpu"),        # --nproc-per-node 8 on 4 GPUs: gloo, and a warning
     (2, 1, 2, "nccl", "cuda:1"),
     (8, 3, 4, "nccl", "cuda:3"),
 ]
@@ -174,7 +176,16 @@ def test_init_distributed_picks_nccl_only_with_a_gpu_for_every_local_rank(
                         lambda b, device_id=None: calls.append(("init", b, device_id)))
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
-    assert module.init_distributed() == torch.device(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert module.init_distributed() == torch.device(device)
+    said = [str(w.message) for w in caught]
+    if 0 < gpus < local_world_size:  # CUDA, but short of GPUs: said, with both numbers
+        assert said == [f"{gpus} GPU(s) visible for {local_world_size} ranks on this machine: "
+                        "this job trains on the CPU with gloo. For nccl, start one rank per "
+                        f"GPU (--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES."], said
+    else:  # a laptop, or a GPU per rank: nothing to say
+        assert said == [], said
     if backend == "nccl":  # the group bound to the rank's GPU: barrier() uses it too
         gpu = torch.device(device)
         assert calls == [("set_device", gpu), ("init", "nccl", gpu)]
