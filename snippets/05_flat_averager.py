@@ -13,27 +13,34 @@ from torch import nn
 
 
 class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
-    def __init__(self, model):
+    def __init__(self, model, reduce_dtype=None):  # a bf16 model: reduce_dtype=torch.float32
         self.params = [p for p in model.parameters() if p.requires_grad]
-        first = self.params[0]                 # the buffer: the gradients' dtype and device
+        first = self.params[0]                 # the buffer: the gradients' device (and dtype)
         if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
             raise TypeError("one buffer holds one dtype on one device: one averager per group")
-        self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
-                                  dtype=first.dtype, device=first.device)
-        pieces = self.buffer.split([p.numel() for p in self.params])
+        sizes = [p.numel() for p in self.params]
+        self.buffer = torch.empty(sum(sizes) + len(sizes),  # allocated once: the gradients,
+                                  dtype=reduce_dtype or first.dtype,  # then one count per
+                                  device=first.device)                # parameter
+        *pieces, self.counts = self.buffer.split([*sizes, len(sizes)])
         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params, strict=True)]
 
     def __call__(self):
+        used = [p.grad is not None for p in self.params]
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.grad is None:                                    # unused on this rank: it
                 slot.zero_()                                      # adds zeros (notebook 04)
             else:
                 slot.copy_(p.grad)                                # flatten
-        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
-        for p, slot in zip(self.params, self.slots, strict=True):
+        self.counts.copy_(torch.tensor(used, dtype=self.counts.dtype))  # ranks that used it
+        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call for everything
+        for p, slot, ranks in zip(self.params, self.slots, self.counts.tolist(), strict=True):
+            if ranks == 0:                     # unused on every rank: no gradient, as in one
+                continue                       # process (and DDP): the optimizer skips it
+            slot /= dist.get_world_size()                         # the mean, in the sum's dtype
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
+            p.grad.copy_(slot)                                    # back into .grad
 
 
 def init_distributed():

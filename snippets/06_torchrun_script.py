@@ -50,9 +50,11 @@ def save_checkpoint(path, model, optimizer, epochs_done, device):
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng)          # each rank's generators: its own dropout masks
     if dist.get_rank() == 0:                   # rank 0 saves, once
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # its folder, the first time
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "epochs_done": epochs_done, "rng": rngs}, path + ".tmp")
-        os.replace(path + ".tmp", path)        # atomic: a crash while saving keeps the old file
+        os.replace(path + ".tmp", path)        # atomic if the process dies: old file or new
+        # (if the machine dies, the rename can reach the disk first: os.fsync the .tmp before)
     dist.barrier()                             # then no rank goes on before the file is whole
 
 
@@ -79,7 +81,9 @@ def train(args, device):
     torch.manual_seed(SEED + rank)             # ...then each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     done = 0
-    if args.resume and os.path.exists(args.checkpoint):  # a first start has no file yet
+    resume = [args.resume and os.path.exists(args.checkpoint)]  # a first start has no file yet
+    dist.broadcast_object_list(resume, src=0)  # rank 0 decides for all: every rank loads, or none
+    if resume[0]:
         done = load_checkpoint(args.checkpoint, model, optimizer, device)
     if rank == 0 and args.resume:
         print(f"resumed after epoch {done}" if done else "no checkpoint yet: from scratch")

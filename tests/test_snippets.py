@@ -275,3 +275,39 @@ def test_flat_averager_keeps_the_dtype_and_averages_a_gradient_a_rank_lacks(tmp_
         for got, *theirs in zip(rank["averaged"], *(r["mine"] for r in ranks), strict=True):
             assert got.dtype == torch.float64
             assert torch.equal(got, (theirs[0] + theirs[1]) / 2)
+
+
+def _flat_average_unused_and_bf16(rank, world_size, snippet):
+    """A parameter no rank uses keeps grad None; a bfloat16 model summed in float32."""
+    from torch import nn
+
+    module = _module(Path(snippet))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    average = module.FlatAverager(model)
+    model[0](torch.randn(5, 4)).sum().backward()  # model[1] unused on every rank
+    average()
+    unused = [p.grad is None for p in model.parameters()]
+    bf16 = nn.Linear(4, 3).to(torch.bfloat16)
+    average = module.FlatAverager(bf16, reduce_dtype=torch.float32)
+    bf16(torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)).bfloat16()).sum(
+        ).backward()
+    mine = [p.grad.clone() for p in bf16.parameters()]
+    average()
+    return {"unused": unused, "buffer": average.buffer.dtype, "mine": mine,
+            "averaged": [p.grad for p in bf16.parameters()]}
+
+
+def test_flat_averager_leaves_unused_parameters_alone_and_can_sum_in_float32():
+    """DDP leaves a gradient that no rank computed None, so the optimizer skips the parameter
+    as one process would; ``reduce_dtype=torch.float32`` sums a bf16 model's gradients in
+    float32 (notebook 09), then rounds the mean once, into the bf16 ``.grad``."""
+    snippet = REPO / "snippets" / "05_flat_averager.py"
+    ranks = gst.launch(_flat_average_unused_and_bf16, 2, args=(str(snippet),))
+    for rank in ranks:
+        assert rank["unused"] == [False, False, True, True]  # as one process: no zero .grad
+        assert rank["buffer"] == torch.float32
+        for got, mine_0, mine_1 in zip(rank["averaged"], *(r["mine"] for r in ranks),
+                                       strict=True):
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, ((mine_0.float() + mine_1.float()) / 2).bfloat16())
