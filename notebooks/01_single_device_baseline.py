@@ -129,7 +129,8 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 # The same seed gives the same run, step for step. That is what lets the next notebooks compare
 # a distributed run against this one number by number. Train one epoch again: its losses are
 # the baseline's first epoch, bit for bit. (On a GPU, only with deterministic kernels: the first
-# cell asks cuDNN for them.)
+# cell asks cuDNN for them. Expected to hold there, not yet run on a GPU: torch lists
+# `NLLLoss` on CUDA among its nondeterministic operations.)
 
 # %% tags=["nbval-check-output"]
 again = train(1)

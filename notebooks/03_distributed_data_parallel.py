@@ -133,11 +133,12 @@ manual = gst.launch(train_02, world_size=WORLD_SIZE, args=(EPOCHS,))
 # Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging.
 # DDP scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums,
 # then divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is
-# exact in floating point, and a sum of two numbers does not depend on their order. (On GPUs as
-# well: the two runs compute each rank's gradient with the same deterministic kernels, which
-# `gst.launch` asks cuDNN for.) With more ranks, gloo (or nccl) adds the ranks' values in a
-# different order for one large bucket than for 8 separate tensors, so the last bits can
-# differ: hence the tolerance.
+# exact in floating point, and a sum of two numbers does not depend on their order. (On GPUs,
+# expected as well, not yet run there: both runs use the deterministic kernels that
+# `gst.launch` asks cuDNN for.) With more ranks the last bits can differ, hence the tolerance.
+# The main cause: DDP multiplies each gradient by 1/N before the sum, `average_gradients`
+# divides after it, and only for N a power of two are both exact (measured below). The order
+# of the additions can differ too, one large bucket against 8 separate tensors.
 
 # %%
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
@@ -268,7 +269,8 @@ assert before > 0.1 and after == 0.0
 # the trained DDP model on a test set whose size no number of ranks from 2 to 4 divides, the
 # first 1,001 test images: the naive way (`DistributedSampler`, the mean of the ranks'
 # accuracies), and the fix, each sample on exactly one rank (`order[rank::N]`, unequal parts)
-# and one `all_reduce` of the number correct *and* the number scored:
+# and one `all_reduce` of the number correct *and* the number scored. (The accuracy is low, an
+# under-trained model: 96 steps, where notebook 01 trains 470. It is not the point here.)
 
 # %%
 N_EVAL = 1_001

@@ -332,11 +332,11 @@ assert [round(size) for size in explicit[1]] == [25, 5]
 
 # %% [markdown]
 # A bucket closes as soon as it holds at least its cap, so each holds a little more (a bias or
-# a tensor larger than the cap). The rebuild is also why, with more than 2 ranks, a DDP run
-# resumed from a checkpoint can differ in the last bits from a run that never stopped
-# (notebook 06): its first iteration reduces one bucket where the straight run reduced the
-# rebuilt ones, so the sums are split differently, and with more than 2 ranks another split
-# changes the last bits of some sums (measured below, "per parameter and in one flat buffer").
+# a tensor larger than the cap). The rebuild also explains a resume on more than 2 ranks
+# (notebook 06). A resumed DDP run can differ in the last bits from one that never stopped. Its
+# first iteration reduces one bucket, where the straight run reduced the rebuilt ones. On more
+# than 2 ranks, another split changes the last bits of some sums (measured below, "per
+# parameter and in one flat buffer").
 
 # %% [markdown]
 # ## 4. Overlap: a mini DDP

@@ -62,7 +62,8 @@ def main():
     dist.barrier()                             # no rank reads it, or exits, before it is written
 
     # Check: the file holds every rank's weights (the replicas are equal). map_location: each
-    # rank loads onto its own device, not onto the GPU rank 0 saved from.
+    # rank loads onto its own device, not onto the GPU rank 0 saved from. Every rank reads
+    # rank 0's file: one machine, or a file system the machines share.
     saved = torch.load(path, map_location=device, weights_only=True)
     for name, p in model.module.state_dict().items():
         assert torch.equal(saved[name], p), name
