@@ -148,7 +148,7 @@ assert again["losses"] == losses[:steps_per_epoch]
 # %% [markdown]
 # ## Exercise: a batch too large for memory
 #
-# A batch of 256 may not fit in a small GPU's memory. **Gradient accumulation** takes the same
+# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation** takes the same
 # optimizer step in pieces: split the batch into `micro_batches` equal micro-batches and call
 # `backward()` on each. `backward()` *adds* into `.grad`, so the pieces' gradients add up; scale
 # each micro-batch's loss so that the sum is the gradient of the whole batch's mean loss.
