@@ -102,6 +102,14 @@ def all_reduce_calls(model: nn.Module, net: nn.Module, average, spec: dict) -> i
     return sum(1 for p in model.parameters() if p.grad is not None)  # per-parameter
 
 
+def finish(device: torch.device) -> None:
+    """Wait until ``device`` has done the work queued so far: a GPU runs kernels (and nccl's
+    calls) after the Python call returns, so a timer stopped without this would time only the
+    launches. A no-op on the CPU, whose calls return when done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_steps(rank, world_size, model_name, specs, rounds, warmup, steps):
     """Run in every rank: for each spec, the ms of its timed steps in each round (the slowest
     rank's), and its all_reduce calls per step."""
@@ -139,11 +147,12 @@ def time_steps(rank, world_size, model_name, specs, rounds, warmup, steps):
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:  # a rotating order, the same on all ranks
-            step_ms = torch.zeros(steps)
+            step_ms = torch.zeros(steps, device=device)  # a collective's tensor: on its device
             for k in range(steps):
                 dist.barrier()  # every rank starts the step together
                 start = time.perf_counter()
                 train_step(name, k + 1)
+                finish(device)
                 step_ms[k] = (time.perf_counter() - start) * 1e3
             dist.all_reduce(step_ms, op=dist.ReduceOp.MAX)  # each step: the slowest rank's time
             times[name].append(step_ms.tolist())
@@ -193,7 +202,11 @@ def run(world_sizes=(2, 4), models=("cnn", "mlp"), specs=None, *, rounds=None, w
 def print_table(rows: list[dict], reference: str = "ddp", goals: bool = True) -> None:
     """One line per row: median ms per step, interquartile range, ratio to the reference, and
     (``goals=True``) each variant's goal and whether this run met it."""
-    print(f"ms/step: median of {len(rows[0]['ms_all'])} timed steps per line, interleaved; "
+    counts = {}  # timed steps per line, for each model: rounds x steps differ between models
+    for r in rows:
+        counts.setdefault(r["model"], len(r["ms_all"]))
+    per_model = ", ".join(f"{n} for the {model.upper()}" for model, n in counts.items())
+    print(f"ms/step: median of the timed steps of each line ({per_model}), interleaved; "
           f"vs {reference}: median of the per-round ratios. {os.cpu_count()} cores, "
           f"1 thread per rank, torch {torch.__version__}")
     header = ("model", "ranks", "variant", "calls/step", "ms/step", "middle 50%",

@@ -322,8 +322,9 @@ def ring_all_reduce(tensor: torch.Tensor) -> int:
     2. *all-gather*, N-1 steps: pass the finished chunks around the ring.
 
     Each rank sends 2(N-1) chunks, 2(N-1)/N times the tensor's size in all: as N grows, that
-    tends to 2x the size, whatever N, the least any all-reduce can send. Call it on every
-    rank, with the same shape (notebook 05).
+    tends to 2x the size. No all-reduce in which the ranks do the additions themselves can send
+    less (hardware that adds in the network can). Call it on every rank, with the same shape,
+    on the group's device (notebook 05).
 
         >>> import gradsync_tutorial as gst
         >>> def ring(rank, world_size):

@@ -99,7 +99,8 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the
 # "hello world" of distributed training: every rank contributes a number, and **every rank
 # receives the sum**. `all_reduce` is a **collective**: an operation that every rank of the
-# group must call, each with its own tensor; it returns when all of them have. The tensor lives
+# group must call, each with its own tensor; with gloo it returns when all of them have (with
+# nccl the call is queued on the GPU and returns at once). The tensor lives
 # on the rank's device, `gst.local_device()`: the CPU here, GPU `LOCAL_RANK` under nccl, which
 # refuses CPU tensors.
 
@@ -185,8 +186,8 @@ except gst.RankFailedError as err:
 # %% [markdown]
 # A **hang** is the other classic failure: one rank waits in a collective that another rank
 # never calls. `launch` stops every rank and raises, naming the ranks that were stuck and
-# where each one was waiting: as soon as it sees a rank wait in a collective that the others
-# have already returned from (that can never finish: a few seconds later), otherwise at its
+# where each one was waiting: as soon as it sees a rank wait in a collective that another rank
+# has returned without calling (that can never finish: a few seconds later), otherwise at its
 # wall-clock `timeout` (default 300 s). The check below asserts both numbers:
 
 # %%

@@ -129,7 +129,8 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 # The same seed gives the same run, step for step. That is what lets the next notebooks compare
 # a distributed run against this one number by number. Train one epoch again: its losses are
 # the baseline's first epoch, bit for bit. (On a GPU, only with deterministic kernels: the first
-# cell asks cuDNN for them.)
+# cell asks cuDNN for them. Expected to hold there, not yet run on a GPU: torch lists
+# `NLLLoss` on CUDA among its nondeterministic operations.)
 
 # %% tags=["nbval-check-output"]
 again = train(1)
@@ -147,7 +148,7 @@ assert again["losses"] == losses[:steps_per_epoch]
 # %% [markdown]
 # ## Exercise: a batch too large for memory
 #
-# A batch of 256 may not fit in a small GPU's memory. **Gradient accumulation** takes the same
+# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation** takes the same
 # optimizer step in pieces: split the batch into `micro_batches` equal micro-batches and call
 # `backward()` on each. `backward()` *adds* into `.grad`, so the pieces' gradients add up; scale
 # each micro-batch's loss so that the sum is the gradient of the whole batch's mean loss.

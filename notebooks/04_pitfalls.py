@@ -18,7 +18,7 @@
 # | mean of means | unequal local batch sizes | mean of means ≠ global mean |
 # | uneven steps | ranks run different numbers of steps | a hang |
 # | skipped collective | a rank skips a collective | a hang; in a loop, an error, a hang or wrong sums |
-# | unused parameter | a parameter without a gradient | manual: `AttributeError` in step 1's averaging; DDP: step 1 not averaged, then `RuntimeError` in step 2's forward |
+# | unused parameter | a parameter without a gradient | the tutorial's manual averaging: `AttributeError` in step 1 (the course's skips `None`); DDP: step 1 not averaged, then `RuntimeError` in step 2's forward |
 # | BatchNorm buffers | BatchNorm statistics | the buffers drift apart |
 # | accumulation | gradient accumulation | N times the communication |
 # | local loss | logging a rank's own loss | the curve of 1/N of the data |
@@ -183,7 +183,10 @@ assert to_single["mean"] <= 1e-6 < to_single["sum"]
 # **Bug**: each rank seeds its generator differently (`torch.manual_seed(SEED + rank)`, often
 # written to vary dropout or augmentation across ranks), and nothing copies rank 0's weights to
 # the others. Manual averaging then applies the same averaged update to N different models.
-# The fix, run alongside: broadcast rank 0's parameters before training.
+# The fix, run alongside: broadcast rank 0's parameters before training. To vary dropout or
+# augmentation, seed twice instead: `torch.manual_seed(SEED)`, build the model, then
+# `torch.manual_seed(SEED + rank)`, as `scripts/train_ddp.py` does. (This notebook's loop
+# keeps one seed: every rank draws the same dropout masks, which the exact checks need.)
 
 # %%
 seeded_per_rank = gst.launch(partial(train, seed_per_rank=True), WORLD_SIZE)
@@ -191,8 +194,8 @@ broadcast = gst.launch(partial(train, seed_per_rank=True, broadcast=True), WORLD
 
 # %% [markdown]
 # **Symptom**: it trains without a complaint, but the replicas never agree. Since every rank
-# applies the same update, the difference between two replicas is exactly the difference they
-# started with, step after step:
+# applies the same update, the difference between two replicas stays what it was after step 1
+# (to 1e-5), step after step:
 
 # %%
 gap = seeded_per_rank[0]["rank_diff"]
@@ -503,14 +506,18 @@ except gst.RankFailedError as err:
 # **Detect, with torch alone**: `dist.monitored_barrier(timeout=...)` is a barrier that names the
 # ranks that did not arrive in time. Its documentation says it "can have a performance impact and
 # should only be used for debugging", and that it "is only supported with the GLOO backend".
-# Called at the top of every step of the uneven shards above, it turns rank 0's fifth step into
-# an error in 2 seconds that names rank 1:
+# So under nccl, create a gloo group of all ranks once, `dist.new_group(backend="gloo")`, and
+# pass it; under gloo that side group changes nothing. Called at the top of every step of the
+# uneven shards above, it turns rank 0's fifth step into an error in 2 seconds that names
+# rank 1. torch also logs that error on rank 0's stderr: the line tagged `[rank 0] [rank0]:`
+# below (the launcher's tag, then torch's own).
 
 # %%
 def steps_with_a_monitored_barrier(rank, world_size):
+    cpu_group = dist.new_group(backend="gloo")  # once: nccl has no monitored_barrier
     batches = torch.arange(N_UNEVEN)[rank::world_size].split(GLOBAL_BATCH // world_size)
     for _ in batches:
-        dist.monitored_barrier(timeout=timedelta(seconds=2))  # the check: is every rank here?
+        dist.monitored_barrier(cpu_group, timeout=timedelta(seconds=2))  # is every rank here?
         ...  # the step: forward, backward, all_reduce, optimizer step
     return len(batches)
 
@@ -960,9 +967,11 @@ assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass u
 # %% [markdown]
 # **Fix**: DDP's `broadcast_buffers=True` (the default; recent versions call it
 # `forward_sync_buffers`) copies rank 0's buffers to every rank at the start of each forward
-# pass, evaluation included. So evaluate through the DDP wrapper, not `model.module`: between two
-# forward passes each rank's buffers hold its own last update, and the statistics all come from
-# rank 0's batches. `nn.SyncBatchNorm` goes further; its documentation says "The mean and
+# pass, evaluation included. So every forward through the wrapper is a collective. Evaluate
+# through it on every rank, with the same number of batches. Or evaluate `model.module` on
+# rank 0 alone: its buffers are the ones DDP broadcasts (both checked at the end of this
+# section). Not `model.module` on another rank: between two forward passes each rank's buffers
+# hold its own last update. `nn.SyncBatchNorm` goes further; its documentation says "The mean and
 # standard-deviation are calculated per-dimension over all mini-batches of the same process
 # groups", so the running statistics should agree right after training (the cell after next
 # checks it, on a machine with a GPU per rank; this notebook's committed outputs ran on CPUs). It
@@ -987,6 +996,56 @@ if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE:  # a G
     assert bn_sync["parameters"] == 0.0 and bn_sync["buffers after training"] <= 1e-6
 else:
     print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
+
+# %% [markdown]
+# **Bug, in the fix**: `if rank == 0: evaluate(ddp_model)`. That forward broadcasts the buffers
+# on rank 0 alone, even in `eval()` mode under `no_grad()`: the skipped collective above, a
+# hang. Two steps of training, then one evaluation batch, three ways:
+
+# %%
+def evaluate_bn(rank, world_size, how, steps=2):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = DDP(nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 24 * 24, 10)).to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    images, labels = gst.data.load(train=True)
+    for step in range(steps):  # each rank updates its statistics from its own batches
+        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
+        optimizer.step()
+    model.eval()
+    x = images[-64:].to(device)  # the evaluation batch
+    with torch.no_grad():
+        if how == "DDP, every rank":
+            return model(x).cpu()
+        if rank == 0:  # evaluation on rank 0 only
+            return (model if how == "DDP, rank 0 only" else model.module)(x).cpu()
+    return None
+
+
+# %% [markdown]
+# **Symptom**: in its own launch (a failed collective breaks its group), rank 0 waits in DDP's
+# broadcast, and the launcher's timeout names it:
+
+# %%
+try:
+    gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, rank 0 only",), timeout=HANG_TIMEOUT)
+except gst.LaunchTimeoutError as err:
+    print(err)
+    assert err.unfinished == [0]
+
+# %% [markdown]
+# **Fix**: on rank 0 alone, evaluate `model.module`. It gives what every rank computes through
+# the wrapper, to the last bit:
+
+# %%
+every_rank = gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, every rank",))[0]
+module_on_0 = gst.launch(evaluate_bn, WORLD_SIZE, args=("model.module, rank 0 only",))[0]
+difference = (every_rank - module_on_0).abs().max().item()
+print(f"max |DDP on every rank - model.module on rank 0| = {difference}")
+assert difference == 0.0
 
 # %% [markdown]
 # ## Accumulation: all-reducing every micro-batch
@@ -1126,6 +1185,7 @@ fig = gst.plots.plot_loss_curves(
 #
 # import copy
 # import os
+# import warnings
 #
 # import torch
 # import torch.distributed as dist
@@ -1164,14 +1224,20 @@ fig = gst.plots.plot_loss_curves(
 #     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 #
 #     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+#     warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
 #     """
-#     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#     local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+#     gpus = torch.cuda.device_count()
+#     if gpus >= ranks_here:
 #         device = torch.device("cuda", local_rank)
 #         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
 #         dist.init_process_group("nccl", device_id=device)  # barrier() too
 #         return device
+#     if gpus:                                   # CUDA, but not a GPU per rank: never silently
+#         warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+#                       "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+#                       f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #
@@ -1242,9 +1308,12 @@ fig = gst.plots.plot_loss_curves(
 # parameter),
 # `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (BatchNorm buffers), `with
 # model.no_sync():` for all but the last micro-batch (accumulation), `with Join([model]):` for
-# uneven inputs (uneven steps). Count what your
-# code communicates with `with gst.detect.count_collectives() as calls:` (and
-# `calls.watch(ddp_model)`).
+# uneven inputs (uneven steps; add `divide_by_initial_world_size=False`, and the optimizer state
+# still differs: both measured above). Evaluate through the wrapper on every rank, or
+# `model.module` on rank 0 alone (BatchNorm buffers). Under nccl, pass `monitored_barrier` a
+# gloo group, `dist.new_group(backend="gloo")`. Count what your code communicates with
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch), or the course's helper
+# `with gst.detect.count_collectives() as calls:` (and `calls.watch(ddp_model)`).
 #
 # ## Exercise
 #

@@ -10,8 +10,8 @@
 # 1. **a call costs time of its own, besides the time its bytes take** (its latency), so send
 #    all gradients in *one* flat buffer instead of 8 (or hundreds of) small tensors;
 # 2. cut that buffer into **buckets** of about 25 MiB, in the order backward produces gradients;
-# 3. start each bucket's `all_reduce` **while backward is still running**, and wait for it just
-#    before `optimizer.step()`.
+# 3. start each bucket's `all_reduce` **while backward is still running**, and wait for them at
+#    the end of `backward()` (our own version below waits in its `average()`).
 #
 # We build each idea in turn (the code lives in `gst.averaging`, so that this notebook, the
 # benchmark and the tests run the same code; its source is `gradsync_tutorial/averaging.py`),
@@ -143,7 +143,8 @@ plt.show()
 
 # %%
 def time_averaging(rank, world_size, reps):
-    model = gst.model.Net().to(gst.local_device())
+    device = gst.local_device()
+    model = gst.model.Net().to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     variants = {"per-parameter": lambda: gst.averaging.average_per_parameter(model),
@@ -158,6 +159,8 @@ def time_averaging(rank, world_size, reps):
         for name, average in variants.items():
             start = time.perf_counter()
             average()
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # nccl returns before the GPU has done the work
             times[name].append(time.perf_counter() - start)
     return calls, {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
@@ -172,6 +175,15 @@ print(f"per-parameter / flat: {averaging_ms['per-parameter'] / averaging_ms['fla
 # %%
 assert calls == {"per-parameter": 8, "flat": 1}  # the same bytes, in 8 calls or in 1
 assert averaging_ms["per-parameter"] > 2 * averaging_ms["flat"]  # 7 more latencies a step
+
+# %% [markdown]
+# The ratio can exceed the 8 calls: each call costs more than the bare round trip α measured
+# above. It also pays Python, torch's dispatch and its own division by N:
+
+# %%
+per_call = averaging_ms["per-parameter"] / calls["per-parameter"]
+print(f"per-parameter: {per_call:.2f} ms per call, against alpha = {alpha:.3f} ms")
+assert per_call > alpha  # a call is more than its latency
 
 # %% [markdown]
 # ## 1. Per parameter: notebook 02's loop
@@ -320,11 +332,11 @@ assert [round(size) for size in explicit[1]] == [25, 5]
 
 # %% [markdown]
 # A bucket closes as soon as it holds at least its cap, so each holds a little more (a bias or
-# a tensor larger than the cap). The rebuild is also why, with more than 2 ranks, a DDP run
-# resumed from a checkpoint can differ in the last bits from a run that never stopped
-# (notebook 06): its first iteration reduces one bucket where the straight run reduced the
-# rebuilt ones, so the sums are split differently, and with more than 2 ranks another split
-# changes the last bits of some sums (measured below, "per parameter and in one flat buffer").
+# a tensor larger than the cap). The rebuild also explains a resume on more than 2 ranks
+# (notebook 06). A resumed DDP run can differ in the last bits from one that never stopped. Its
+# first iteration reduces one bucket, where the straight run reduced the rebuilt ones. On more
+# than 2 ranks, another split changes the last bits of some sums (measured below, "per
+# parameter and in one flat buffer").
 
 # %% [markdown]
 # ## 4. Overlap: a mini DDP
@@ -347,7 +359,8 @@ assert [round(size) for size in explicit[1]] == [25, 5]
 # %%
 def gradient_order(rank, world_size, steps=2):
     torch.manual_seed(SEED)
-    model = gst.model.Net()
+    device = gst.local_device()
+    model = gst.model.Net().to(device)
     names = {p: name for name, p in model.named_parameters()}
     order = []
     for p in model.parameters():
@@ -355,7 +368,7 @@ def gradient_order(rank, world_size, steps=2):
     images, labels = gst.data.load(train=True)
     for step in range(steps):  # other samples on every rank and at every step
         idx = torch.arange(64)[rank::world_size] + 64 * step
-        F.nll_loss(model(images[idx]), labels[idx]).backward()
+        F.nll_loss(model(images[idx].to(device)), labels[idx].to(device)).backward()
     return order
 
 
@@ -381,7 +394,8 @@ show(gst.averaging.OverlappedAverager)
 # %% tags=["nbval-check-output"]
 def overlap_probe(rank, world_size, cap):
     torch.manual_seed(SEED)
-    model = gst.model.Net()
+    device = gst.local_device()  # the averager's buckets take the parameters' device
+    model = gst.model.Net().to(device)
     averager = gst.averaging.OverlappedAverager(model, bucket_cap_mb=cap)
     launched = {}
 
@@ -390,7 +404,7 @@ def overlap_probe(rank, world_size, cap):
 
     model.conv1.weight.register_hook(probe)
     images, labels = gst.data.load(train=True)
-    F.nll_loss(model(images[:64]), labels[:64]).backward()
+    F.nll_loss(model(images[:64].to(device)), labels[:64].to(device)).backward()
     launched["when backward() returns"] = len(averager.works)
     averager.wait()
     return launched | {"buckets": len(averager.buckets)}
@@ -582,21 +596,28 @@ knob_rows = bench["run"](world_sizes=(WORLD_SIZE,), models=("mlp",), specs=knobs
 
 # %% [markdown]
 # How to read it: with one core per rank nothing overlaps (see above), so the bucket size
-# changes little here. The float16 hook halves the bytes sent but adds two conversions and
-# float16 sums. Sums in float16 on this CPU, against float32, 10 million of them:
+# changes little here. The float16 hook halves the bytes sent, but it adds two conversions
+# (float32 to float16 before sending, back after), and gloo sums float16 on the CPU. Each of
+# them timed on 10 million floats, against a float32 sum:
 
 # %%
-a16, b16 = torch.randn(10_000_000).half(), torch.randn(10_000_000).half()
-a32, b32 = a16.float(), b16.float()
-add_ms = {"float16": [], "float32": []}
-for _ in range(5):  # alternated, so that machine noise hits both alike
-    for name, (x, y) in [("float16", (a16, b16)), ("float32", (a32, b32))]:
+a32, b32 = torch.randn(10_000_000), torch.randn(10_000_000)
+a16, b16 = a32.half(), b32.half()
+work = {"to float16": lambda: a32.half(), "back to float32": lambda: a16.float(),
+        "float16 sum": lambda: torch.add(a16, b16), "float32 sum": lambda: torch.add(a32, b32)}
+work_ms = {name: [] for name in work}
+for _ in range(5):  # alternated, so that machine noise hits all alike
+    for name, do in work.items():
         start = time.perf_counter()
-        torch.add(x, y)
-        add_ms[name].append((time.perf_counter() - start) * 1e3)
-add_ms = {name: statistics.median(t) for name, t in add_ms.items()}
-print(f"10M additions: float16 {add_ms['float16']:.1f} ms, float32 {add_ms['float32']:.1f} ms "
-      f"({add_ms['float16'] / add_ms['float32']:.1f}x), with half the bytes in float16")
+        do()
+        work_ms[name].append((time.perf_counter() - start) * 1e3)
+work_ms = {name: statistics.median(t) for name, t in work_ms.items()}
+for name, t in work_ms.items():
+    print(f"{name:>15}: {t:5.1f} ms")
+conversions = work_ms["to float16"] + work_ms["back to float32"]
+print(f"the two conversions: {conversions:.1f} ms, "
+      f"{conversions / work_ms['float32 sum']:.1f}x a float32 sum of the same floats")
+assert all(t > 0 for t in work_ms.values())
 
 # %% [markdown]
 # Whether half the bytes pay for the two conversions depends on the link and on the hardware:
@@ -607,11 +628,13 @@ print(f"10M additions: float16 {add_ms['float16']:.1f} ms, float32 {add_ms['floa
 # %%
 def gradient_storage(rank, world_size, as_view):
     torch.manual_seed(SEED)
-    model = DDP(gst.model.Net().to(gst.local_device()), gradient_as_bucket_view=as_view)
+    device = gst.local_device()
+    model = DDP(gst.model.Net().to(device), gradient_as_bucket_view=as_view)
     images, labels = gst.data.load(train=True)
+    x, y = images[:16].to(device), labels[:16].to(device)  # inputs on the model's device
     for _ in range(2):  # "gradients will be views after first iteration" (its documentation)
         model.zero_grad()
-        F.nll_loss(model(images[:16]), labels[:16]).backward()
+        F.nll_loss(model(x), y).backward()
     return len({p.grad.untyped_storage().data_ptr() for p in model.parameters()})
 
 storages = {view: gst.launch(gradient_storage, WORLD_SIZE, args=(view,))[0]
@@ -619,9 +642,11 @@ storages = {view: gst.launch(gradient_storage, WORLD_SIZE, args=(view,))[0]
 print(f"distinct blocks of memory holding the 8 gradients: {storages[False]} by default, "
       f"{storages[True]} with gradient_as_bucket_view=True (DDP's one bucket)")
 assert storages == {False: 8, True: 1}
-#
-# Do the knobs change the result? Buckets and views only move the same numbers around; the
-# float16 hook rounds every gradient to 3 significant digits before sending it:
+
+# %% [markdown]
+# Do the knobs change the result? Buckets only move the same numbers around. So do the views
+# here, with the plain `zero_grad()` of this loop ("Divide, then sum" below shows when they do
+# not). The float16 hook rounds every gradient to 3 significant digits before sending it:
 
 # %%
 ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
@@ -646,8 +671,11 @@ assert knob_diffs["fp16_compress_hook"] > 10 * max(knob_diffs["gradient_as_bucke
 # ## Divide, then sum, or sum, then divide?
 #
 # Our variants sum, then divide by N (notebook 02). DDP multiplies each gradient by 1/N while
-# copying it into its bucket, *before* summing, and `fp16_compress_hook` above divides before
-# summing too. In exact arithmetic these are equal. In floating point:
+# copying it into its bucket, *before* summing. With `gradient_as_bucket_view=True` and the
+# gradients zeroed in place, the gradient already is the bucket: DDP divides it in place by N,
+# also before summing.
+# `fp16_compress_hook` above divides before summing too. In exact arithmetic these are equal.
+# In floating point:
 #
 # * multiplying by 1/2 or 1/4 only changes the exponent, so it is exact, and the two orders give
 #   bit-identical results; 1/3 is rounded, so they can differ in the last bit;
@@ -662,6 +690,41 @@ for n in (2, 3, 4):
     print(f"N={n}: max |sum/N - sum(x * 1/N)| = {d:.1e}, elements that differ: "
           f"{(sum_then_divide != divide_then_sum).float().mean():.1%}")
     assert (d == 0) == (n in (2, 4))
+
+
+# %% [markdown]
+# * for the same reason `gradient_as_bucket_view=True` can change the last bits on 3 ranks:
+#   `x * (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does
+#   when the gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain
+#   `zero_grad()`, which sets them to `None`, the bits are the default's. Two steps of DDP on
+#   the same batches, against the default:
+
+# %%
+def ddp_gradients(rank, world_size, as_view, set_to_none=True):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = DDP(gst.model.Net().to(device), gradient_as_bucket_view=as_view)
+    images, labels = gst.data.load(train=True)
+    idx = torch.arange(64)[rank::world_size]  # this rank's samples
+    x, y = images[idx].to(device), labels[idx].to(device)
+    for _ in range(2):  # the views begin after the first iteration
+        model.zero_grad(set_to_none=set_to_none)
+        F.nll_loss(model(x), y).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).cpu()
+
+
+view_differ = {}
+for n in (2, 3):
+    default = gst.launch(ddp_gradients, n, args=(False,))[0]
+    for set_to_none in (True, False):
+        views = gst.launch(ddp_gradients, n, args=(True, set_to_none))[0]
+        view_differ[n, set_to_none] = (default != views).sum().item()
+        print(f"N={n}, views, zero_grad(set_to_none={set_to_none}): "
+              f"{view_differ[n, set_to_none]:,} of {default.numel():,} mean gradients differ "
+              f"from the default's, max |difference| {(default - views).abs().max():.1e}")
+        assert torch.allclose(default, views, rtol=1e-5, atol=1e-7)  # the same mean
+assert view_differ == {(2, True): 0, (2, False): 0, (3, True): 0, (3, False): view_differ[3, False]}
+assert view_differ[3, False] > 0  # x / 3 against x * (1/3): other last bits
 
 
 # %% [markdown]
@@ -715,6 +778,7 @@ def ring_vs_all_reduce(rank, world_size, size):
     out = {}
     for kind, t in [("integers", torch.randint(-1000, 1000, (size,), generator=generator).float()),
                     ("random floats", torch.randn(size, generator=generator))]:
+        t = t.to(gst.local_device())  # nccl's send, recv and all_reduce take GPU tensors only
         ring, reference = t.clone(), t.clone()
         out["sent"] = gst.averaging.ring_all_reduce(ring)
         dist.all_reduce(reference)
@@ -764,6 +828,7 @@ for n, results in ring_rows.items():
 # """
 #
 # import os
+# import warnings
 #
 # import torch
 # import torch.distributed as dist
@@ -772,41 +837,54 @@ for n, results in ring_rows.items():
 #
 #
 # class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
-#     def __init__(self, model):
+#     def __init__(self, model, reduce_dtype=None):  # a bf16 model: reduce_dtype=torch.float32
 #         self.params = [p for p in model.parameters() if p.requires_grad]
-#         first = self.params[0]                 # the buffer: the gradients' dtype and device
+#         first = self.params[0]                 # the buffer: the gradients' device (and dtype)
 #         if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
 #             raise TypeError("one buffer holds one dtype on one device: one averager per group")
-#         self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
-#                                   dtype=first.dtype, device=first.device)
-#         pieces = self.buffer.split([p.numel() for p in self.params])
+#         sizes = [p.numel() for p in self.params]
+#         self.buffer = torch.empty(sum(sizes) + len(sizes),  # allocated once: the gradients,
+#                                   dtype=reduce_dtype or first.dtype,  # then one count per
+#                                   device=first.device)                # parameter
+#         *pieces, self.counts = self.buffer.split([*sizes, len(sizes)])
 #         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params, strict=True)]
 #
 #     def __call__(self):
+#         used = [p.grad is not None for p in self.params]
 #         for p, slot in zip(self.params, self.slots, strict=True):
 #             if p.grad is None:                                    # unused on this rank: it
 #                 slot.zero_()                                      # adds zeros (notebook 04)
 #             else:
 #                 slot.copy_(p.grad)                                # flatten
-#         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
-#         for p, slot in zip(self.params, self.slots, strict=True):
+#         self.counts.copy_(torch.tensor(used, dtype=self.counts.dtype))  # ranks that used it
+#         dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call for everything
+#         for p, slot, ranks in zip(self.params, self.slots, self.counts.tolist(), strict=True):
+#             if ranks == 0:                     # unused on every rank: no gradient, as in one
+#                 continue                       # process (and DDP): the optimizer skips it
+#             slot /= dist.get_world_size()                         # the mean, in the sum's dtype
 #             if p.grad is None:
 #                 p.grad = torch.empty_like(p)
-#             torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
+#             p.grad.copy_(slot)                                    # back into .grad
 #
 #
 # def init_distributed():
 #     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 #
 #     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+#     warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
 #     """
-#     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#     local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+#     gpus = torch.cuda.device_count()
+#     if gpus >= ranks_here:
 #         device = torch.device("cuda", local_rank)
 #         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
 #         dist.init_process_group("nccl", device_id=device)  # barrier() too
 #         return device
+#     if gpus:                                   # CUDA, but not a GPU per rank: never silently
+#         warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+#                       "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+#                       f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #

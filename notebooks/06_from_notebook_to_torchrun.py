@@ -249,11 +249,12 @@ assert len(checkpoint(straight)["rng"]) == WORLD_SIZE  # one state per rank
 # %% [markdown]
 # `--resume` continues from `--checkpoint` when the file exists, and starts from scratch when it
 # does not, so one command line serves the first start and every restart (a requeued SLURM job,
-# a torchrun restart). Loading uses `map_location="cpu"`: rank 0 saved tensors from its own GPU,
-# and without it every rank would load them onto that GPU; in `torch.load`'s
+# a torchrun restart). Rank 0 looks for the file and broadcasts what it found, so every rank
+# loads it or none does. Loading uses `map_location="cpu"`: rank 0 saved tensors from its own
+# GPU, and without it every rank would load them onto that GPU. In `torch.load`'s
 # [documentation](https://docs.pytorch.org/docs/stable/generated/torch.load.html), storages "are
-# first deserialized on the CPU and are then moved to the device they were saved from". We train 1 epoch, stop, and run the
-# same command again with `--epochs 2`:
+# first deserialized on the CPU and are then moved to the device they were saved from". We train
+# 1 epoch, stop, and run the same command again with `--epochs 2`:
 
 # %%
 resumed = fresh("06_resumed.pt")
@@ -299,6 +300,9 @@ if WORLD_SIZE > 2:
     print(f"{WORLD_SIZE} ranks, train_manual.py straight vs resumed: {manual_diff:.1e}; "
           f"train_ddp.py: {model_diff:.1e}")
     assert manual_diff <= TOL < model_diff
+else:
+    print(f"skipped on {WORLD_SIZE} ranks: run this notebook with WORLD_SIZE = 4 to check it "
+          "(tools/build_notebooks.py --world-size 4)")
 
 # %% [markdown]
 # Why the RNG state: dropout draws new masks at every step. After epoch 1 the generator has moved
@@ -348,7 +352,7 @@ def resume_with_a_seed_per_rank(rank, world_size, path, restore):
     model, ddp_model, optimizer = build()  # a restart: seed, build, load
     train_ddp.load_checkpoint(path, model, optimizer, device)
     if restore == "rank 0's":
-        rank_0 = torch.load(path, weights_only=True)["rng"][0]
+        rank_0 = torch.load(path, map_location="cpu", weights_only=True)["rng"][0]
         torch.set_rng_state(rank_0["cpu"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(rank_0["cuda"], device)
@@ -494,6 +498,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 #
 # import argparse
 # import os
+# import warnings
 #
 # import torch
 # import torch.distributed as dist
@@ -510,14 +515,20 @@ print("without @record, the summary has no traceback: the error is only in the w
 #     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 #
 #     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+#     warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
 #     """
-#     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#     local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+#     gpus = torch.cuda.device_count()
+#     if gpus >= ranks_here:
 #         device = torch.device("cuda", local_rank)
 #         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
 #         dist.init_process_group("nccl", device_id=device)  # barrier() too
 #         return device
+#     if gpus:                                   # CUDA, but not a GPU per rank: never silently
+#         warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+#                       "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+#                       f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #
@@ -529,9 +540,11 @@ print("without @record, the summary has no traceback: the error is only in the w
 #     rngs = [None] * dist.get_world_size()
 #     dist.all_gather_object(rngs, rng)          # each rank's generators: its own dropout masks
 #     if dist.get_rank() == 0:                   # rank 0 saves, once
+#         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # its folder, the first time
 #         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
 #                     "epochs_done": epochs_done, "rng": rngs}, path + ".tmp")
-#         os.replace(path + ".tmp", path)        # atomic: a crash while saving keeps the old file
+#         os.replace(path + ".tmp", path)        # atomic if the process dies: old file or new
+#         # (if the machine dies, the rename can reach the disk first: os.fsync the .tmp before)
 #     dist.barrier()                             # then no rank goes on before the file is whole
 #
 #
@@ -558,7 +571,9 @@ print("without @record, the summary has no traceback: the error is only in the w
 #     torch.manual_seed(SEED + rank)             # ...then each rank its own dropout masks
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 #     done = 0
-#     if args.resume and os.path.exists(args.checkpoint):  # a first start has no file yet
+#     resume = [args.resume and os.path.exists(args.checkpoint)]  # a first start has no file yet
+#     dist.broadcast_object_list(resume, src=0)  # rank 0 decides for all: every rank loads, or none
+#     if resume[0]:
 #         done = load_checkpoint(args.checkpoint, model, optimizer, device)
 #     if rank == 0 and args.resume:
 #         print(f"resumed after epoch {done}" if done else "no checkpoint yet: from scratch")
@@ -609,11 +624,14 @@ print("without @record, the summary has no traceback: the error is only in the w
 #   `sampler.set_epoch(epoch)` at the start of every epoch.
 # * Log from rank 0 only, a loss averaged across ranks (`all_reduce`, then divide).
 # * Checkpoint: rank 0 saves model, optimizer, epochs done and every rank's RNG state
-#   (`dist.all_gather_object`) to `path.tmp`, then `os.replace`s it (a crash while saving keeps
-#   the old file), then `dist.barrier()`; load with `torch.load(path, map_location="cpu")` on
-#   every rank, each taking its own RNG state. `--resume` with no file yet starts from scratch.
+#   (`dist.all_gather_object`) to `path.tmp`, then `os.replace`s it (a crashed process leaves
+#   the old file whole; for a crashed machine, `os.fsync` the file first), then
+#   `dist.barrier()`; load with `torch.load(path, map_location="cpu")` on every rank, each
+#   taking its own RNG state. `--resume` with no file yet starts from scratch; rank 0 decides
+#   and broadcasts it (`dist.broadcast_object_list`), so no rank resumes alone.
 # * `init_distributed()` picks nccl only when the machine has a GPU for every local rank
-#   (`LOCAL_WORLD_SIZE`), as `gst.launch` does; with 2 ranks on 1 GPU every rank takes gloo.
+#   (`LOCAL_WORLD_SIZE`), as `gst.launch` does; with 2 ranks on 1 GPU every rank takes gloo,
+#   and warns with both numbers.
 # * `scripts/train_ddp.py` also calls `gc.collect()` just before `destroy_process_group()`. Only
 #   needed when something `train` built (the DDP model) can outlive it in a reference cycle: there,
 #   importing torchvision inside `train` made one, the model was freed at exit after the group,

@@ -12,16 +12,18 @@
 # resolved the issue" (with their settings None meant full precision;
 # [pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 #
-# **Short answer.** A sum in a 16-bit format rounds at every addition, and in a ring all-reduce
-# every rank adds its gradient to a running sum: the error grows about as √N. Measured below on
-# the course's CNN: bf16 is off by about 2e-3 of the mean gradient on 2 ranks and 2e-2 on 256,
-# fp16 by 3e-4 and 2e-3, fp32 by less than 1e-6. fp16 has 3 more bits than bf16 but a range
-# that ends at 65,504: a sum of loss-scaled fp16 gradients overflows, dividing by N first loses
-# the small ones at small scales, and FSDP's split (about √N before the sum, the rest after)
+# **Short answer: keep the *sum* in float32 where you can.** A bf16 sum is off by about 2e-3
+# of the mean gradient on 2 ranks and 2e-2 on 256. `torch.autocast` alone keeps it in float32
+# (its gradients are float32), FSDP2 does with `reduce_dtype=torch.float32`; DDP's
+# `bf16_compress_hook` and `fp16_compress_hook` do not. Why: a sum in a 16-bit format rounds at
+# every addition, and in a ring all-reduce every rank adds its gradient to a running sum, so the
+# error grows about as √N. Measured below on the course's CNN: fp16 is off by 3e-4 and 2e-3,
+# fp32 by less than 1e-6. fp16 has 3 more bits than bf16 but a range that ends at 65,504. When
+# the reduction itself is in fp16 (an fp16 model, `fp16_compress_hook`, FSDP2's
+# `reduce_dtype=torch.float16`), a sum of loss-scaled gradients overflows. Dividing by N first
+# loses the small ones at small scales; FSDP's split (about √N before the sum, the rest after)
 # avoids both here. In a short training run, the loss does not notice at 64 or 256 ranks; the
-# parameters do. Keep the *sum* in float32 where you can: `torch.autocast` alone does (its
-# gradients are float32), FSDP2 does with `reduce_dtype=torch.float32`; DDP's
-# `bf16_compress_hook` and `fp16_compress_hook` do not. With fp16's `GradScaler`, unscale
+# parameters do. With fp16's `GradScaler`, unscale
 # before clipping: the other order runs without a message and does not train. And PowerSGD, a
 # compression hook, is not an average at all.
 
@@ -206,7 +208,9 @@ for (n, dtype), out in sorted(real.items(), key=lambda item: item[0][0]):
 # ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the
 # worst case of these, and the FSDP maintainers met the same thing: a bf16 all-reduce and a bf16
 # reduce-scatter disagree, "not an issue with world size 2 but starts being an issue at world
-# size 4" ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)).
+# size 4" ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a
+# reduce-scatter carries the sums of an all-reduce bit for bit on gloo (notebook 08); on NCCL,
+# only up to the order of the additions.
 #
 # **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU (the exact sum,
 # rounded to the nearest 16-bit number), so `ring_sum` gives the same bits on both: the next
@@ -292,7 +296,7 @@ assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # 
 # k-th addition rounds at the scale of a partial sum of k gradients, which grows with k, and
 # N − 1 of them pile up, about as √N relative to the mean (p about 0.4 to 0.5 above, in all
 # three formats; fp32's stays below 1e-6). A tree only adds partial sums of equal sizes,
-# log2 N deep, and stays flat. fp16 is 8 to 11 times more precise than bf16 at every N: its 3
+# log2 N deep, and stays flat. fp16 is about 8 to 11 times more precise than bf16 at every N: its 3
 # more bits. A Megatron-LM feature request states the same law: "A ring reduce-scatter rounds
 # the partial sum at every one of its N-1 hops, so BF16 gradient error grows as √N with the axis
 # size"
@@ -304,8 +308,10 @@ assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # 
 # the sum by N after changes nothing here: N is a power of two and bf16 has fp32's range, so
 # both divisions are exact. fp16's range is the problem. fp16 training multiplies the loss by a
 # *scale* so that small gradients do not vanish in backward (`torch.amp.GradScaler`, which
-# starts at 2^16 and halves the scale whenever a gradient overflows), and DDP reduces those
-# scaled gradients. Summing first, the sum of 256 ranks is 256 times their mean and overflows
+# starts at 2^16 and halves the scale whenever a gradient overflows). A reduction in fp16 (an
+# fp16 model, `fp16_compress_hook`, `reduce_dtype=torch.float16`) sums those scaled gradients.
+# (With `torch.autocast` the gradients are float32, and so is DDP's sum: section 3 measures
+# it.) Summing first in fp16, the sum of 256 ranks is 256 times their mean and overflows
 # 65,504 long before the mean would; dividing each gradient by 256 first pushes the small ones
 # into fp16's subnormal numbers, which have fewer bits, or to 0. FSDP's rule for fp16 splits
 # the division, about √N before the sum and the rest after; its code says why: "To avoid
@@ -798,6 +804,7 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 #
 # import copy
 # import os
+# import warnings
 #
 # import torch
 # import torch.distributed as dist
@@ -811,14 +818,20 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 #     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 #
 #     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+#     warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
 #     """
-#     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#     local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+#     gpus = torch.cuda.device_count()
+#     if gpus >= ranks_here:
 #         device = torch.device("cuda", local_rank)
 #         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
 #         dist.init_process_group("nccl", device_id=device)  # barrier() too
 #         return device
+#     if gpus:                                   # CUDA, but not a GPU per rank: never silently
+#         warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+#                       "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+#                       f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #

@@ -8,8 +8,9 @@
 Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) and
 ``scripts/train_ddp.py`` (DistributedDataParallel, notebook 03), run on CPUs (gloo) and on one GPU
 per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
-with no edits. Each stands alone, a deliberate lesson copy of the other, so ``diff
-scripts/train_manual.py scripts/train_ddp.py`` is exactly what DDP changes (copy either). Notebook
+with no edits. Each is a deliberate lesson copy of the other, so ``diff
+scripts/train_manual.py scripts/train_ddp.py`` is exactly what DDP changes. Each needs the
+course's package (``gradsync_tutorial``) for the data, the model and the final check. Notebook
 06 (notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
 same parameters as ``gst.launch``, and that a resumed run equals a straight one.
 
@@ -31,10 +32,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import pickle
-import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,19 +88,25 @@ def init_distributed() -> torch.device:
     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 
     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+    warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
     """
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+    local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    gpus = torch.cuda.device_count()
+    if gpus >= ranks_here:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
         dist.init_process_group("nccl", device_id=device)  # barrier() too
         return device
+    if gpus:                                   # CUDA, but not a GPU per rank: never silently
+        warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+                      "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+                      f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
     dist.init_process_group("gloo")
     return torch.device("cpu")
 
 
-# A deliberate lesson copy of gst.averaging.average_per_parameter: the script stands alone.
+# A deliberate lesson copy of gst.averaging.average_per_parameter, so the script shows it whole.
 def average_gradients(model: torch.nn.Module) -> None:
     """Notebook 02: every rank ends with the mean of all ranks' gradients."""
     world_size = dist.get_world_size()
@@ -149,7 +155,9 @@ def save_checkpoint(path: str, model, optimizer, epochs_done: int, device: torch
         }
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(checkpoint, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # atomic: a crash while saving keeps the old file whole
+        # Atomic for a crashed process: the old file or the new one, whole. (For a crashed
+        # machine, os.fsync the new file before the rename.)
+        os.replace(f"{path}.tmp", path)
     dist.barrier()  # no rank goes on (or exits) before the checkpoint is on disk
 
 
@@ -168,6 +176,15 @@ def _first_line(error: BaseException | str) -> str:
     return text if len(text) <= 200 else text[:200] + " ..."
 
 
+def python_objects_in(path: str) -> list[str]:
+    """The classes and functions in a whole ``torch.save`` file that ``weights_only=True``
+    refuses (``["argparse.Namespace"]``), or [] when there are none or the file is not whole."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - not a whole torch.save file: the caller says so
+        return []
+
+
 def read_checkpoint(path: str) -> dict:
     """``torch.load`` the file, or raise :class:`BadCheckpoint` saying what is wrong with it."""
     if os.path.isfile(path) and os.path.getsize(path) == 0:
@@ -179,16 +196,13 @@ def read_checkpoint(path: str) -> dict:
     except OSError as e:
         raise BadCheckpoint(path, f"it cannot be read ({e.strerror})") from None
     except Exception as e:  # noqa: BLE001 - whatever torch.load says of a damaged file
-        why = str(e)  # weights_only's refusals: the unpickler's own words, not torch's advice
-        said = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(Check the doc|$)", why, re.S)
-        why = said[1] if isinstance(e, pickle.UnpicklingError) and said else why
-        other = re.match(r"Unsupported global: GLOBAL ([\w.]+)", why)
-        if other:  # a whole file, with Python objects in it
+        objects = python_objects_in(path)  # asked of torch's API, not read from its message
+        if objects:  # a whole file, with Python objects in it
             raise BadCheckpoint(path, f"another program wrote it: it holds Python objects "
-                                      f"({other[1]}) that this script never saves, nor unpickles"
-                                ) from None
+                                      f"({', '.join(objects)}) that this script never saves, "
+                                      "nor unpickles") from None
         raise BadCheckpoint(path, "it is not a whole torch.save file: cut short, overwritten "
-                                  f"or damaged ({type(e).__name__}: {_first_line(why)})") from None
+                                  f"or damaged ({type(e).__name__}: {_first_line(e)})") from None
     keys = {"model", "optimizer", "epochs_done", "rng"}
     if not isinstance(checkpoint, dict) or not keys <= checkpoint.keys():
         found = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
@@ -230,8 +244,12 @@ def train(args: argparse.Namespace) -> dict:
     device = local_device()  # what init_distributed chose: the same rule
     batch_size = args.batch_size // world_size  # this rank's share of every step
 
-    # One download per machine: local rank 0 fetches the files, the others wait, then all read.
-    if int(os.environ["LOCAL_RANK"]) == 0:
+    # The data: rank 0 fetches the files first. Then local rank 0 of every other machine finds
+    # them (a shared file system) or fetches its own copy (a local disk); the others wait.
+    if rank == 0:
+        ensure_files(args.dataset, root=args.data_root)
+    dist.barrier()
+    if rank != 0 and int(os.environ["LOCAL_RANK"]) == 0:
         ensure_files(args.dataset, root=args.data_root)
     dist.barrier()
     images, labels = load(args.dataset, root=args.data_root, download=False)
@@ -250,7 +268,11 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed + rank)  # ... then each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
     done = 0
-    if args.resume and Path(args.checkpoint).exists():
+    # Rank 0 decides whether to resume, for every rank: all load the file, or none does (a
+    # rank that cannot see rank 0's file then fails with its name, instead of training apart).
+    resume = [bool(args.resume and Path(args.checkpoint).exists())]
+    dist.broadcast_object_list(resume, src=0)
+    if resume[0]:
         done = load_checkpoint(args.checkpoint, model, optimizer, device)
         log(f"resumed from {args.checkpoint} after epoch {done}")
     elif args.resume:

@@ -4,6 +4,7 @@
 """
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -12,41 +13,54 @@ from torch import nn
 
 
 class FlatAverager:  # average = FlatAverager(model); ...; loss.backward(); average()
-    def __init__(self, model):
+    def __init__(self, model, reduce_dtype=None):  # a bf16 model: reduce_dtype=torch.float32
         self.params = [p for p in model.parameters() if p.requires_grad]
-        first = self.params[0]                 # the buffer: the gradients' dtype and device
+        first = self.params[0]                 # the buffer: the gradients' device (and dtype)
         if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
             raise TypeError("one buffer holds one dtype on one device: one averager per group")
-        self.buffer = torch.empty(sum(p.numel() for p in self.params),  # allocated once
-                                  dtype=first.dtype, device=first.device)
-        pieces = self.buffer.split([p.numel() for p in self.params])
+        sizes = [p.numel() for p in self.params]
+        self.buffer = torch.empty(sum(sizes) + len(sizes),  # allocated once: the gradients,
+                                  dtype=reduce_dtype or first.dtype,  # then one count per
+                                  device=first.device)                # parameter
+        *pieces, self.counts = self.buffer.split([*sizes, len(sizes)])
         self.slots = [s.view_as(p) for s, p in zip(pieces, self.params, strict=True)]
 
     def __call__(self):
+        used = [p.grad is not None for p in self.params]
         for p, slot in zip(self.params, self.slots, strict=True):
             if p.grad is None:                                    # unused on this rank: it
                 slot.zero_()                                      # adds zeros (notebook 04)
             else:
                 slot.copy_(p.grad)                                # flatten
-        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call
-        for p, slot in zip(self.params, self.slots, strict=True):
+        self.counts.copy_(torch.tensor(used, dtype=self.counts.dtype))  # ranks that used it
+        dist.all_reduce(self.buffer, op=dist.ReduceOp.SUM)        # one call for everything
+        for p, slot, ranks in zip(self.params, self.slots, self.counts.tolist(), strict=True):
+            if ranks == 0:                     # unused on every rank: no gradient, as in one
+                continue                       # process (and DDP): the optimizer skips it
+            slot /= dist.get_world_size()                         # the mean, in the sum's dtype
             if p.grad is None:
                 p.grad = torch.empty_like(p)
-            torch.div(slot, dist.get_world_size(), out=p.grad)    # the mean, back into .grad
+            p.grad.copy_(slot)                                    # back into .grad
 
 
 def init_distributed():
     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 
     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+    warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
     """
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+    local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    gpus = torch.cuda.device_count()
+    if gpus >= ranks_here:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
         dist.init_process_group("nccl", device_id=device)  # barrier() too
         return device
+    if gpus:                                   # CUDA, but not a GPU per rank: never silently
+        warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+                      "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+                      f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
     dist.init_process_group("gloo")
     return torch.device("cpu")
 

@@ -8,6 +8,7 @@ version: scripts/train_ddp.py).
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,14 +25,20 @@ def init_distributed():
     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 
     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+    gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+    warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
     """
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+    local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    gpus = torch.cuda.device_count()
+    if gpus >= ranks_here:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
         dist.init_process_group("nccl", device_id=device)  # barrier() too
         return device
+    if gpus:                                   # CUDA, but not a GPU per rank: never silently
+        warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+                      "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+                      f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
     dist.init_process_group("gloo")
     return torch.device("cpu")
 
@@ -43,9 +50,11 @@ def save_checkpoint(path, model, optimizer, epochs_done, device):
     rngs = [None] * dist.get_world_size()
     dist.all_gather_object(rngs, rng)          # each rank's generators: its own dropout masks
     if dist.get_rank() == 0:                   # rank 0 saves, once
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # its folder, the first time
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                     "epochs_done": epochs_done, "rng": rngs}, path + ".tmp")
-        os.replace(path + ".tmp", path)        # atomic: a crash while saving keeps the old file
+        os.replace(path + ".tmp", path)        # atomic if the process dies: old file or new
+        # (if the machine dies, the rename can reach the disk first: os.fsync the .tmp before)
     dist.barrier()                             # then no rank goes on before the file is whole
 
 
@@ -72,7 +81,9 @@ def train(args, device):
     torch.manual_seed(SEED + rank)             # ...then each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     done = 0
-    if args.resume and os.path.exists(args.checkpoint):  # a first start has no file yet
+    resume = [args.resume and os.path.exists(args.checkpoint)]  # a first start has no file yet
+    dist.broadcast_object_list(resume, src=0)  # rank 0 decides for all: every rank loads, or none
+    if resume[0]:
         done = load_checkpoint(args.checkpoint, model, optimizer, device)
     if rank == 0 and args.resume:
         print(f"resumed after epoch {done}" if done else "no checkpoint yet: from scratch")

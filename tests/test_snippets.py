@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -154,6 +155,7 @@ GPU_RULE_CASES = [  # GPUs on the machine, LOCAL_RANK, LOCAL_WORLD_SIZE -> backe
     (0, 1, 2, "gloo", "cpu"),
     (1, 0, 1, "nccl", "cuda:0"),     # one GPU, one rank
     (1, 1, 2, "gloo", "cpu"),        # one GPU, two ranks: nccl cannot share it; every rank gloo
+    (4, 5, 8, "gloo", "cpu"),        # --nproc-per-node 8 on 4 GPUs: gloo, and a warning
     (2, 1, 2, "nccl", "cuda:1"),
     (8, 3, 4, "nccl", "cuda:3"),
 ]
@@ -174,7 +176,16 @@ def test_init_distributed_picks_nccl_only_with_a_gpu_for_every_local_rank(
                         lambda b, device_id=None: calls.append(("init", b, device_id)))
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
-    assert module.init_distributed() == torch.device(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert module.init_distributed() == torch.device(device)
+    said = [str(w.message) for w in caught]
+    if 0 < gpus < local_world_size:  # CUDA, but short of GPUs: said, with both numbers
+        assert said == [f"{gpus} GPU(s) visible for {local_world_size} ranks on this machine: "
+                        "this job trains on the CPU with gloo. For nccl, start one rank per "
+                        f"GPU (--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES."], said
+    else:  # a laptop, or a GPU per rank: nothing to say
+        assert said == [], said
     if backend == "nccl":  # the group bound to the rank's GPU: barrier() uses it too
         gpu = torch.device(device)
         assert calls == [("set_device", gpu), ("init", "nccl", gpu)]
@@ -264,3 +275,39 @@ def test_flat_averager_keeps_the_dtype_and_averages_a_gradient_a_rank_lacks(tmp_
         for got, *theirs in zip(rank["averaged"], *(r["mine"] for r in ranks), strict=True):
             assert got.dtype == torch.float64
             assert torch.equal(got, (theirs[0] + theirs[1]) / 2)
+
+
+def _flat_average_unused_and_bf16(rank, world_size, snippet):
+    """A parameter no rank uses keeps grad None; a bfloat16 model summed in float32."""
+    from torch import nn
+
+    module = _module(Path(snippet))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    average = module.FlatAverager(model)
+    model[0](torch.randn(5, 4)).sum().backward()  # model[1] unused on every rank
+    average()
+    unused = [p.grad is None for p in model.parameters()]
+    bf16 = nn.Linear(4, 3).to(torch.bfloat16)
+    average = module.FlatAverager(bf16, reduce_dtype=torch.float32)
+    bf16(torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)).bfloat16()).sum(
+        ).backward()
+    mine = [p.grad.clone() for p in bf16.parameters()]
+    average()
+    return {"unused": unused, "buffer": average.buffer.dtype, "mine": mine,
+            "averaged": [p.grad for p in bf16.parameters()]}
+
+
+def test_flat_averager_leaves_unused_parameters_alone_and_can_sum_in_float32():
+    """DDP leaves a gradient that no rank computed None, so the optimizer skips the parameter
+    as one process would; ``reduce_dtype=torch.float32`` sums a bf16 model's gradients in
+    float32 (notebook 09), then rounds the mean once, into the bf16 ``.grad``."""
+    snippet = REPO / "snippets" / "05_flat_averager.py"
+    ranks = gst.launch(_flat_average_unused_and_bf16, 2, args=(str(snippet),))
+    for rank in ranks:
+        assert rank["unused"] == [False, False, True, True]  # as one process: no zero .grad
+        assert rank["buffer"] == torch.float32
+        for got, mine_0, mine_1 in zip(rank["averaged"], *(r["mine"] for r in ranks),
+                                       strict=True):
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, ((mine_0.float() + mine_1.float()) / 2).bfloat16())

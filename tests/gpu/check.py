@@ -12,7 +12,7 @@ On a machine with N >= 1 CUDA GPUs, with R = min(N, 2) ranks:
   vs DDP) and against a resumed run;
 * gloo with CUDA tensors on 2 ranks (``tests/gpu/gloo_cuda.py``): what a 1-GPU machine can test
   of 2 ranks, since nccl cannot put two ranks on one GPU;
-* the checks of notebooks 01-03 and 07-09 (found by glob), ``SMOKE_TEST=1`` under nbval: every
+* the checks of notebooks 01-09 (found by glob), ``SMOKE_TEST=1`` under nbval: every
   launch with a GPU per rank runs nccl on them, a launch with more ranks than GPUs gloo on the
   CPU, and the notebook's own process uses GPU 0.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ("01", "02", "03", "07", "08", "09")  # the notebooks whose checks run on GPUs
+NOTEBOOKS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")  # checks run on GPUs
 BUDGET = 540  # seconds for everything: a GPU machine lent for ~10 minutes
 
 
