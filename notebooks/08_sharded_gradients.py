@@ -1,8 +1,8 @@
 # %% [markdown]
 # # 08 — Sharded gradients: reduce-scatter, ZeRO and FSDP2, and who divides by what
 #
-# **Question: when each rank keeps only a shard of the gradients, as in DeepSpeed ZeRO and
-# FSDP2, where is the mean taken, and who divides by what?**
+# **Question: when each rank keeps only a shard of the gradients, as in DeepSpeed ZeRO (its
+# "Zero Redundancy Optimizer") and FSDP2, where is the mean taken, and who divides by what?**
 #
 # In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own
 # copy of the optimizer state: N copies of the same numbers. Large models do not fit that way.
@@ -35,6 +35,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed import fsdp
 from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +127,7 @@ class ShardedSGD:
         pieces = self.flat[: sum(self.sizes)].split(self.sizes)
         for p, piece in zip(self.params, pieces, strict=True):
             piece.copy_(p.detach().flatten())
-            p.data = piece.view_as(p)  # the model's parameters now live in self.flat
+            p.data = piece.view_as(p)  # now in self.flat (.data: re-points, not an update)
         self.shard = self.flat[rank * self.size : (rank + 1) * self.size].clone()
         self.shard.requires_grad_()  # this rank's shard of the parameters, the one it updates
         self.optimizer = torch.optim.SGD([self.shard], lr=lr, momentum=momentum)  # 1/N state
@@ -407,9 +408,11 @@ held_by = gst.launch(dtensors, world_size=WORLD_SIZE)
 
 # %% [markdown]
 # `Shard(dim=0)` cuts the rows in rank order, so the ranks' shards, concatenated, are the whole
-# tensors: the state dict that `full_tensor()` returns. (For a model too large to gather on
-# one rank, `torch.distributed.checkpoint.save` "handles [...] DTensor by having
-# each rank only save their local shards", in its documentation's words.)
+# tensors: the state dict that `full_tensor()` returns. That gathers the whole model onto
+# every rank: fine for a check, not for a checkpoint at scale. To checkpoint FSDP2, use
+# `torch.distributed.checkpoint.save`: it "handles [...] DTensor by having each rank only save
+# their local shards", in its documentation's words (checked below). The snippet at the end
+# saves and loads that way.
 
 # %%
 for name, full in held_by[0]["full"].items():
@@ -419,6 +422,8 @@ numel_held = [sum(t.numel() for t in r["shards"].values()) for r in held_by]
 print(f"numbers stored per rank: {numel_held} of {numel}; "
       "concatenated in rank order they are the full_tensor() state dict")
 assert sum(numel_held) == numel
+assert "DTensor`` by having each rank only save their local shards" in " ".join(
+    dcp.save.__doc__.split())
 
 # %% [markdown]
 # Unlike `DDP(model)`, `fully_shard` broadcasts nothing: each rank keeps its own rows of the
@@ -441,35 +446,44 @@ assert not torch.equal(held_by[0]["seeded apart"], own[0])
 # What it sends is set in torch's `_get_gradient_divide_factors`
 # (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), quoted and checked against the
 # installed torch below: for float32 and bfloat16, `ReduceOp.AVG`; a factor other than the
-# group size becomes `ReduceOp.PREMUL_SUM(1 / factor)`; with
-# `set_force_sum_reduction_for_comms(True)`, or in float16 and float64 ("overflow risk"),
-# `ReduceOp.SUM` with a division before and after. One backward on the course's model, each
-# rank its own 8 images, recording the reduce-scatter FSDP2 calls:
+# group size becomes `ReduceOp.PREMUL_SUM(1 / factor)` (× 1/factor, then the sum); with
+# `set_force_sum_reduction_for_comms(True)`, `ReduceOp.SUM`, then ÷ the factor; in float16
+# and float64 ("overflow risk"), `ReduceOp.SUM` with ÷ about √factor before and the rest after.
+# One backward on the course's model, each rank its own 8 images, recording the reduce-scatter
+# FSDP2 calls:
 
 # %%
 quoted = ["return None, None, ReduceOp.AVG, ReduceOp.AVG",
           "reduce_scatter_op = ReduceOp.PREMUL_SUM(1 / factor)",
           "overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)",
-          "if not overflow_risk and not force_sum_reduction_for_comms:"]
+          "if not overflow_risk and not force_sum_reduction_for_comms:",
+          "pre_factor, post_factor = None, factor"]  # forced SUM in float32: ÷ after only
 code = inspect.getsource(_fsdp_collectives._get_gradient_divide_factors)
 assert all(line in code for line in quoted)
 print(f"torch {torch.__version__}: the quoted lines are in _get_gradient_divide_factors")
 
 # %%
 def fsdp_gradient(rank, world_size, dtype=torch.float32, factor=None, force_sum=False,
-                  token_loss=False):
+                  token_loss=False, per_block=False, set_factor=None):
     """One backward of the course's model under FSDP2, each rank on its own 8 images (8 (r + 1)
     for the token-count loss). Returns the whole gradient, one process's on every image, and
-    the op of the reduce-scatter FSDP2 called."""
+    the ops of the reduce-scatters FSDP2 called. per_block: fully_shard on each layer, then on
+    the root; set_factor(model): what sets the divide factor, instead of the root's setters."""
     torch.manual_seed(SEED)
     device = gst.local_device()
     model = gst.model.Net().to(device, dtype).eval()  # eval: dropout off
     whole = gst.model.Net().to(device, dtype).eval()  # the same weights, one process
     whole.load_state_dict(model.state_dict())
-    fully_shard(model, mesh=init_device_mesh(device.type, (world_size,)))
-    if factor is not None:
-        model.set_gradient_divide_factor(factor)
-    model.set_force_sum_reduction_for_comms(force_sum)
+    mesh = init_device_mesh(device.type, (world_size,))
+    for layer in (model.conv1, model.conv2, model.fc1, model.fc2) if per_block else ():
+        fully_shard(layer, mesh=mesh)  # one block each, as real models (and the snippet) do
+    fully_shard(model, mesh=mesh)
+    if set_factor is not None:
+        set_factor(model)
+    else:  # on the root only
+        if factor is not None:
+            model.set_gradient_divide_factor(factor)
+        model.set_force_sum_reduction_for_comms(force_sum)
     g = torch.Generator().manual_seed(SEED)
     counts = [8 * (r + 1) if token_loss else 8 for r in range(world_size)]  # uneven "tokens"
     x = torch.randn(sum(counts), 1, 28, 28, generator=g).to(device, dtype)
@@ -482,9 +496,9 @@ def fsdp_gradient(rank, world_size, dtype=torch.float32, factor=None, force_sum=
     with gst.detect.count_collectives() as calls:
         loss.backward()
     F.nll_loss(whole(x), y).backward()  # one process, every sample: the mean gradient
-    op = calls.arguments[reduce_scatter.__name__][0][1]["op"]  # FSDP2 passes op=...
-    op = str(getattr(op, "op", op)).split(".")[-1]  # "AVG"; PREMUL_SUM(f) keeps its kind in .op
-    return {"op": op, "reduce_scatters": calls[reduce_scatter.__name__],
+    ops = [kwargs["op"] for _, kwargs in calls.arguments[reduce_scatter.__name__]]  # op=...
+    ops = [str(getattr(op, "op", op)).split(".")[-1] for op in ops]  # PREMUL_SUM(f): in .op
+    return {"op": ops[0], "ops": ops, "reduce_scatters": calls[reduce_scatter.__name__],
             "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
             "reference": {n: p.grad for n, p in whole.named_parameters()}}
 
@@ -559,9 +573,61 @@ assert abs(ratio(tokens["factor 1.0 + force_sum"])[0] - 1) < 1e-6  # right
 # %% [markdown]
 # With the default the gradient is 1/N of the right one: the loss divided by the global count,
 # then FSDP2 divided again by N. Under SGD that is a learning rate / N (notebook 02's lesson
-# turned around). `model.set_gradient_divide_factor(1.0)`, plus
-# `model.set_force_sum_reduction_for_comms(True)` on gloo, fixes it. (Under DDP, which always
-# divides by N, the same loss is multiplied by N instead.)
+# turned around). Here the model is one FSDP unit, and `model.set_gradient_divide_factor(1.0)`,
+# plus `model.set_force_sum_reduction_for_comms(True)` on gloo, fixes it. (Under DDP, which
+# always divides by N, the same loss is multiplied by N instead.)
+#
+# ### With `fully_shard` on each block: set it on every `FSDPModule`
+#
+# Neither setter recurses: each acts on the one `FSDPModule` it is called on. Unlike
+# `set_requires_gradient_sync(..., recurse=True)`, they take no `recurse` argument (checked
+# below). With `fully_shard` on each block, then on the root, the root's call misses every
+# block. torchtitan loops over `model.modules()` instead. Its `disable_fsdp_gradient_division`
+# (`torchtitan/distributed/fsdp.py`, pytorch/torchtitan@b5bcd76) says: "Disable FSDP's
+# automatic gradient division for all FSDP modules." And: "We handle gradient scaling
+# ourselves in the training loop with global token count." The same loop, with the sum forced
+# on every backend, against the root alone, on the course's model with each layer a block:
+
+# %%
+def sum_gradients_over_ranks(model):
+    """For a token-count loss: FSDP2 sums the gradients over the ranks, in every FSDP unit."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # each fully_shard'ed block, and the root
+            module.set_gradient_divide_factor(1.0)  # no ÷ N: the loss holds the mean
+            module.set_force_sum_reduction_for_comms(True)  # SUM (gloo has no PREMUL_SUM)
+
+
+for setter in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms"):
+    assert "recurse" not in inspect.signature(getattr(FSDPModule, setter)).parameters, setter
+assert "recurse" in inspect.signature(FSDPModule.set_requires_gradient_sync).parameters
+per_block = partial(fsdp_gradient, token_loss=True, per_block=True)
+blocks = {"the root only": partial(per_block, factor=1.0, force_sum=True),
+          "every FSDPModule": partial(per_block, set_factor=sum_gradients_over_ranks)}
+blocks = {name: gst.launch(run, world_size=WORLD_SIZE)[0] for name, run in blocks.items()}
+
+# %%
+def ratio_by_tensor(result):  # ratio() of each parameter's gradient alone
+    return {n: ratio({"grads": {n: g}, "reference": {n: result["reference"][n]}})
+            for n, g in result["grads"].items()}
+
+
+for name, result in blocks.items():
+    ratios = [c for c, _ in ratio_by_tensor(result).values()]
+    print(f"factor 1.0 on {name + ':':<17} reduce-scatter ops {sorted(set(result['ops']))}, each of "
+          f"the {len(ratios)} gradients = {min(ratios):.4f}× to {max(ratios):.4f}× one process's")
+    assert result["reduce_scatters"] == 4  # one per block; the root has no parameters left
+    assert all(off < 1e-6 for _, off in ratio_by_tensor(result).values())
+root_only, every = (ratio_by_tensor(blocks[n]).values() for n in blocks)
+assert set(blocks["the root only"]["ops"]) == {"AVG"}  # the blocks kept their default
+assert all(abs(c - 1 / WORLD_SIZE) < 1e-6 for c, _ in root_only)  # 1/N: divided twice
+assert set(blocks["every FSDPModule"]["ops"]) == {"SUM"}
+assert all(abs(c - 1) < 1e-6 for c, _ in every)  # the token-weighted mean, exactly
+
+# %% [markdown]
+# Set on the root only, every gradient is 1/N of the right one, and nothing warns: the
+# blocks kept their default mean, and the root holds no parameters of its own. Set on every
+# `FSDPModule`, the gradient is one process's. `snippets/08_fsdp2.py` uses this loop and
+# checks it.
 #
 # ### Accumulating micro-batches: `set_requires_gradient_sync(False)`
 #
@@ -808,7 +874,7 @@ assert "only available with the ``NCCL`` backend" in documented["AVG"]
 # | library | where the 1/N goes | how to turn it off (token-count losses) |
 # |---|---|---|
 # | DDP | each gradient × 1/N as it is copied into its bucket, then `SUM`: `reducer.cpp` (`mark_variable_ready_dense`, pytorch/pytorch@0041320): "Divides while copying into the bucket view to save one scan over all the input parameters", with `div_factor_ = process_group_->getSize()` | no switch: multiply the loss by N, or register a communication hook that sums |
-# | FSDP2 | the gradient divide factor: `AVG` (float32, bfloat16), or `SUM` with a division before and after (`_get_gradient_divide_factors`, above) | `set_gradient_divide_factor(1.0)`, with `set_force_sum_reduction_for_comms(True)` on gloo |
+# | FSDP2 | the gradient divide factor: `AVG` (float32, bfloat16); `SUM` then ÷ N with the sum forced; in float16 and float64, ÷ about √N before `SUM` and the rest after (`_get_gradient_divide_factors`, above) | on every `FSDPModule`, since neither setter recurses (the loop over `model.modules()` above, as torchtitan does): `set_gradient_divide_factor(1.0)`, with `set_force_sum_reduction_for_comms(True)` on gloo |
 # | DeepSpeed | `gradient_predivide_factor` p: "Before mean gradient allreduce, predivide gradients by a specified factor; this can sometimes help with fp16 stability when scaling to large numbers of GPUs" (default 1.0); `prescale_gradients`: "Scale gradients before doing mean allreduce" (default false) (`docs/_pages/config-json.md`). `allreduce_bucket` in `deepspeed/runtime/engine.py`: × 1/p, `all_reduce`, × p/N; with `prescale_gradients`, × 1/N then `all_reduce`. ZeRO 1/2 with `reduce_scatter` asserts p = 1.0 and divides the bucket by N before reducing (`average_tensor`, `deepspeed/runtime/zero/stage_1_and_2.py`; deepspeedai/DeepSpeed@edaa722) | `gradient_allreduce_op: "sum"`: "to keep the unscaled sum" (stages 0, 1 and 2) |
 # | Megatron | `average_in_collective`: "If true, compute average in collective directly, as opposed to dividing by the dp_size first and then computing sum in the collective" (default False: `gradient_scaling_factor = 1.0 / data_parallel_world_size`, then `SUM`; True: factor 1.0 and `ReduceOp.AVG`) (`megatron/core/distributed/distributed_data_parallel_config.py`, `distributed_data_parallel.py`, `param_and_grad_buffer.py`; NVIDIA/Megatron-LM@d98e8a6) | `calculate_per_token_loss`: `gradient_scaling_factor = 1.0`, `SUM`; `finalize_model_grads` all-reduces `num_tokens` and scales by `1.0 / num_tokens` |
 #
@@ -895,9 +961,13 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #
 # `snippets/08_fsdp2.py` is a whole script, run by the course's tests with
 # `torchrun --standalone --nproc-per-node 2`: notebook 06's `init_distributed()`, a device mesh
-# on the device's type, `fully_shard` on each layer and on the model, gradient clipping with the
-# global norm, and a state dict of whole tensors. It ends by checking, on every rank, that three
-# steps equal one process's on the whole batch.
+# on the device's type, `fully_shard` on each layer and on the model, and gradient clipping with
+# the global norm. It checkpoints with `torch.distributed.checkpoint` (DCP), each rank writing
+# its own shards. Its `sum_gradients_over_ranks` is the loop above, for token-count losses. It
+# ends by checking three things on every rank. Three steps equal one process's on the whole
+# batch. The checkpoint loads back. A token-count loss on uneven ranks gets one process's
+# gradient. The whole tensors of its `full_tensor()` state dict are for the check only: they
+# gather the whole model onto every rank.
 #
 # <!-- snippets/08_fsdp2.py -->
 # ```python
@@ -912,10 +982,14 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #
 # import torch
 # import torch.distributed as dist
+# import torch.distributed.checkpoint as dcp
 # import torch.nn.functional as F
 # from torch import nn
+# from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 # from torch.distributed.device_mesh import init_device_mesh
-# from torch.distributed.fsdp import fully_shard
+# from torch.distributed.fsdp import FSDPModule, fully_shard
+#
+# CHECKPOINT = "checkpoints/08_fsdp2"           # a folder: each rank writes its own file
 #
 #
 # def init_distributed():
@@ -934,6 +1008,40 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #     return torch.device("cpu")
 #
 #
+# def sum_gradients_over_ranks(model):
+#     """For token-count losses (each rank's loss: its sum / the global count): FSDP2 sums the
+#     gradients over the ranks instead of averaging them. Neither setter recurses, so set both on
+#     every FSDP unit: on the root alone, the blocks still divide by N (notebook 08: 0.5x)."""
+#     for module in model.modules():
+#         if isinstance(module, FSDPModule):     # each fully_shard'ed block, and the root
+#             module.set_gradient_divide_factor(1.0)          # no ÷ N: the loss holds the mean
+#             module.set_force_sum_reduction_for_comms(True)  # SUM: gloo has no PREMUL_SUM
+#
+#
+# def check_token_count_loss(whole, mesh, device):
+#     """Check: a token-count loss on uneven ranks (8, 16, ... tokens) gives one process's mean
+#     over every token, with sum_gradients_over_ranks on a model sharded block by block."""
+#     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     whole.zero_grad()
+#     model = copy.deepcopy(whole)               # the same weights on every rank
+#     for layer in model:
+#         if isinstance(layer, nn.Linear):
+#             fully_shard(layer, mesh=mesh)
+#     fully_shard(model, mesh=mesh)
+#     sum_gradients_over_ranks(model)            # after the last fully_shard
+#     counts = [8 * (r + 1) for r in range(world_size)]
+#     g = torch.Generator().manual_seed(2)
+#     x = torch.randn(sum(counts), 20, generator=g).to(device)
+#     y = torch.randint(0, 3, (sum(counts),), generator=g).to(device)
+#     mine = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+#     tokens = torch.tensor(float(counts[rank]), device=device)
+#     dist.all_reduce(tokens)                    # the global count
+#     (F.cross_entropy(model(x[mine]), y[mine], reduction="sum") / tokens).backward()
+#     F.cross_entropy(whole(x), y).backward()    # one process: the mean over every token
+#     for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+#         torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+#
+#
 # def main():
 #     device = init_distributed()
 #     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -948,9 +1056,7 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #             fully_shard(layer, mesh=mesh)      # its gradients are reduce-scattered once ready
 #     fully_shard(model, mesh=mesh)              # the root: whatever is left
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # 1/N of the state
-#     # Token-count losses (each rank's loss: its sum / the global count) need the sum, not the
-#     # mean: model.set_gradient_divide_factor(1.0), and on gloo also
-#     # model.set_force_sum_reduction_for_comms(True) (notebook 08 shows both).
+#     # A token-count loss needs sum_gradients_over_ranks(model) here (checked at the end).
 #
 #     g = torch.Generator().manual_seed(1)       # one global batch...
 #     x, y = torch.randn(64, 20, generator=g).to(device), torch.randint(0, 3, (64,), generator=g)
@@ -967,14 +1073,30 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #         whole_norm = nn.utils.clip_grad_norm_(whole.parameters(), max_norm=0.5)
 #         reference.step()
 #
+#     # To checkpoint FSDP2, DCP writes each rank's own shards: no rank holds the whole model.
+#     model_state, optimizer_state = get_state_dict(model, optimizer)
+#     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=CHECKPOINT)
+#
+#     # For the check only: full_tensor() gathers every whole tensor onto every rank.
 #     state = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank calls it
 #     # Check: 3 steps of FSDP2 on N ranks are 3 steps of one process on the whole batch.
 #     torch.testing.assert_close(norm.full_tensor(), whole_norm)
 #     for name, p in whole.state_dict().items():
 #         torch.testing.assert_close(state[name], p)
+#     # Check: loading the checkpoint brings back the weights, after they were zeroed.
+#     with torch.no_grad():
+#         for p in model.parameters():
+#             p.zero_()
+#     model_state, optimizer_state = get_state_dict(model, optimizer)
+#     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=CHECKPOINT)
+#     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+#     for name, p in model.state_dict().items():
+#         torch.testing.assert_close(p.full_tensor(), state[name])
+#     check_token_count_loss(whole, mesh, device)
 #     print(f"rank {rank}: holds {sum(p.to_local().numel() for p in model.parameters())} of "
 #           f"{sum(p.numel() for p in whole.parameters())} parameters; after 3 steps the model "
-#           "equals one process's on the whole batch")
+#           "equals one process's on the whole batch, and so does the reloaded checkpoint; a "
+#           "token-count loss on uneven ranks gives one process's gradient")
 #     dist.destroy_process_group()
 #
 #

@@ -9,10 +9,14 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+CHECKPOINT = "checkpoints/08_fsdp2"           # a folder: each rank writes its own file
 
 
 def init_distributed():
@@ -31,6 +35,40 @@ def init_distributed():
     return torch.device("cpu")
 
 
+def sum_gradients_over_ranks(model):
+    """For token-count losses (each rank's loss: its sum / the global count): FSDP2 sums the
+    gradients over the ranks instead of averaging them. Neither setter recurses, so set both on
+    every FSDP unit: on the root alone, the blocks still divide by N (notebook 08: 0.5x)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):     # each fully_shard'ed block, and the root
+            module.set_gradient_divide_factor(1.0)          # no ÷ N: the loss holds the mean
+            module.set_force_sum_reduction_for_comms(True)  # SUM: gloo has no PREMUL_SUM
+
+
+def check_token_count_loss(whole, mesh, device):
+    """Check: a token-count loss on uneven ranks (8, 16, ... tokens) gives one process's mean
+    over every token, with sum_gradients_over_ranks on a model sharded block by block."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    whole.zero_grad()
+    model = copy.deepcopy(whole)               # the same weights on every rank
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sum_gradients_over_ranks(model)            # after the last fully_shard
+    counts = [8 * (r + 1) for r in range(world_size)]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(counts), 20, generator=g).to(device)
+    y = torch.randint(0, 3, (sum(counts),), generator=g).to(device)
+    mine = slice(sum(counts[:rank]), sum(counts[: rank + 1]))
+    tokens = torch.tensor(float(counts[rank]), device=device)
+    dist.all_reduce(tokens)                    # the global count
+    (F.cross_entropy(model(x[mine]), y[mine], reduction="sum") / tokens).backward()
+    F.cross_entropy(whole(x), y).backward()    # one process: the mean over every token
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+
+
 def main():
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -45,9 +83,7 @@ def main():
             fully_shard(layer, mesh=mesh)      # its gradients are reduce-scattered once ready
     fully_shard(model, mesh=mesh)              # the root: whatever is left
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # 1/N of the state
-    # Token-count losses (each rank's loss: its sum / the global count) need the sum, not the
-    # mean: model.set_gradient_divide_factor(1.0), and on gloo also
-    # model.set_force_sum_reduction_for_comms(True) (notebook 08 shows both).
+    # A token-count loss needs sum_gradients_over_ranks(model) here (checked at the end).
 
     g = torch.Generator().manual_seed(1)       # one global batch...
     x, y = torch.randn(64, 20, generator=g).to(device), torch.randint(0, 3, (64,), generator=g)
@@ -64,14 +100,30 @@ def main():
         whole_norm = nn.utils.clip_grad_norm_(whole.parameters(), max_norm=0.5)
         reference.step()
 
+    # To checkpoint FSDP2, DCP writes each rank's own shards: no rank holds the whole model.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=CHECKPOINT)
+
+    # For the check only: full_tensor() gathers every whole tensor onto every rank.
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}  # every rank calls it
     # Check: 3 steps of FSDP2 on N ranks are 3 steps of one process on the whole batch.
     torch.testing.assert_close(norm.full_tensor(), whole_norm)
     for name, p in whole.state_dict().items():
         torch.testing.assert_close(state[name], p)
+    # Check: loading the checkpoint brings back the weights, after they were zeroed.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=CHECKPOINT)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p.full_tensor(), state[name])
+    check_token_count_loss(whole, mesh, device)
     print(f"rank {rank}: holds {sum(p.to_local().numel() for p in model.parameters())} of "
           f"{sum(p.numel() for p in whole.parameters())} parameters; after 3 steps the model "
-          "equals one process's on the whole batch")
+          "equals one process's on the whole batch, and so does the reloaded checkpoint; a "
+          "token-count loss on uneven ranks gives one process's gradient")
     dist.destroy_process_group()
 
 
