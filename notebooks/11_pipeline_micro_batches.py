@@ -378,6 +378,9 @@ print("tensor_split of 10 rows into 4:", [len(t) for t in torch.arange(10).tenso
 
 
 def uneven(rank, world_size):
+    import warnings  # show torch's warning without the temporary file of this cell
+
+    warnings.formatwarning = lambda message, category, *_, **__: f"{category.__name__}: {message}\n"
     device = gst.device.collective_device()  # gloo: the CPU, whatever the machine
     model, x, y = model_and_data(world_size, batch=10)
     stage = PipelineStage(model[rank], stage_index=rank, num_stages=world_size, device=device)
