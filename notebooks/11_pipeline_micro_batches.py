@@ -399,7 +399,7 @@ else:
 
 # %% [markdown]
 # The last stage received a third micro-batch of 3 rows for 2 targets, so the loss failed
-# (after torch's `UserWarning`, "Using a target size ... that is different to the input size",
+# (after torch's `UserWarning`, `Using a target size`, about broadcasting,
 # above). Had the sizes happened to match, the result would still be wrong: a mean per
 # micro-batch weighs each row of a smaller piece more. **Check before the step** that the batch
 # splits into equal micro-batches, with a message that says what to do:
