@@ -675,6 +675,7 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #
 # import copy
 # import os
+# import warnings
 #
 # import torch
 # import torch.distributed as dist
@@ -695,14 +696,20 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #     """Join the group torchrun prepared (RANK, WORLD_SIZE, MASTER_ADDR...); return the device.
 #
 #     With a GPU for every rank on this machine: nccl, this rank on GPU LOCAL_RANK. Otherwise
-#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share).
+#     gloo, on the CPU (a laptop; also 2 ranks on 1 GPU, which nccl cannot share): with a
+#     warning that gives both numbers when CUDA is there but has fewer GPUs than ranks.
 #     """
-#     local_rank = int(os.environ["LOCAL_RANK"])
-#     if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
+#     local_rank, ranks_here = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+#     gpus = torch.cuda.device_count()
+#     if gpus >= ranks_here:
 #         device = torch.device("cuda", local_rank)
 #         torch.cuda.set_device(device)          # before init: nccl and *_object calls use it
 #         dist.init_process_group("nccl", device_id=device)  # barrier() too
 #         return device
+#     if gpus:                                   # CUDA, but not a GPU per rank: never silently
+#         warnings.warn(f"{gpus} GPU(s) visible for {ranks_here} ranks on this machine: this "
+#                       "job trains on the CPU with gloo. For nccl, start one rank per GPU "
+#                       f"(--nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES.", stacklevel=2)
 #     dist.init_process_group("gloo")
 #     return torch.device("cpu")
 #
