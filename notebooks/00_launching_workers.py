@@ -3,11 +3,17 @@
 #
 # **Question: how do I run one training function on several processes, from a notebook cell?**
 #
-# Every later notebook trains a model on *N ranks*: N processes, each with its own copy of the
-# model, talking through `torch.distributed`. A **rank** is one of these processes, numbered 0 to
-# N−1; N is the **world size**. On a cluster you start them with `torchrun`. In a notebook we
-# need a launcher that runs a function *defined in a cell* on N fresh processes, shows what each
-# one prints, and brings back what each one returns. This notebook shows why the obvious tool
+# **Short answer:** call `gst.launch(fn, world_size)`. It runs `fn(rank, world_size)` on 2 or more
+# fresh processes and returns one result per rank. What each rank prints shows below the cell.
+#
+# Every later notebook trains a model on *N ranks*. A **rank** is one of N processes, each with
+# its
+# own copy of the model, talking through `torch.distributed`. The ranks are numbered 0 to N−1; N
+# is
+# the **world size**. On a cluster you start them with `torchrun`. A notebook needs a launcher
+# that
+# runs a function *defined in a cell* on N fresh processes. This notebook shows why the obvious
+# tool
 # fails, then the one this course uses: `gst.launch`.
 #
 # Each new word is defined where it first appears, in **bold**; the README's
@@ -71,38 +77,49 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 
 
 # %% [markdown]
-# `fork` would avoid pickling: the child is a copy of the kernel, cells included. Accelerate's
-# `notebook_launcher` does that (`start_processes(..., start_method="fork")` in
-# [`accelerate/launchers.py`](https://github.com/huggingface/accelerate/blob/main/src/accelerate/launchers.py),
-# which refuses to start once `torch.cuda` is initialized). But a forked child cannot use CUDA
-# once the parent has initialized it: torch's own error says "Cannot re-initialize CUDA in
-# forked subprocess. To use CUDA with multiprocessing, you must use the 'spawn' start method".
-# And Python's
-# [multiprocessing documentation](https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods)
-# lists `fork` as POSIX only (not on Windows), has made *spawn* the default on macOS since 3.8
-# ("The *fork* start method should be considered unsafe as it can lead to crashes of the
-# subprocess"), and changed the POSIX default from *fork* to *forkserver* in Python 3.14.
+# `fork` would avoid pickling: the child is a copy of the kernel, cells included. But a forked
+# child
+# cannot use CUDA once the parent has initialized it. Torch's own error says so: "Cannot
+# re-initialize
+# CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the 'spawn' start
+# method".
+#
+# Accelerate's `notebook_launcher` forks all the same:
+# `start_processes(..., start_method="fork")` in
+# [`accelerate/launchers.py`](https://github.com/huggingface/accelerate/blob/main/src/accelerate/launchers.py).
+# It refuses to start once `torch.cuda` is initialized. Python's
+# [multiprocessing
+# documentation](https://docs.python.org/3/library/multiprocessing.html#contexts-and-start-methods)
+# lists `fork` as POSIX only, not on Windows. It also warns: "The *fork* start method should be
+# considered unsafe as it can lead to crashes of the subprocess". *Spawn* is the default on macOS
+# since Python 3.8, and *forkserver* on POSIX since Python 3.14.
 #
 # ## `gst.launch`: fresh processes, the function sent by value
 #
-# `gst.launch(fn, world_size)` starts `world_size` fresh interpreters, sends them `fn` **by
-# value** (with `cloudpickle`, so cells, lambdas and closures work), and in each one:
+# `gst.launch(fn, world_size)` starts `world_size` fresh interpreters. It sends them `fn` **by
+# value**,
+# with `cloudpickle`, so cells, lambdas and closures work. In each one it:
 #
-# 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
-#    `MASTER_ADDR`, `MASTER_PORT`, ...),
-# 2. calls `dist.init_process_group()`, which creates the **process group**: the set of ranks
-#    that communicate together, and the connections between them. Its **backend** is the
-#    library that moves the tensors: gloo on CPUs, nccl when there is one NVIDIA GPU per rank
-#    (this machine's is printed further down; every committed output of the course ran on gloo),
+# 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+#    `MASTER_PORT`, ...);
+# 2. calls `dist.init_process_group()`, which creates the **process group**;
 # 3. runs `fn(rank, world_size)`, and sends back its return value.
 #
-# Everything a rank prints appears below the cell, tagged with its rank. Here is the
-# "hello world" of distributed training: every rank contributes a number, and **every rank
-# receives the sum**. `all_reduce` is a **collective**: an operation that every rank of the
-# group must call, each with its own tensor; with gloo it returns when all of them have (with
-# nccl the call is queued on the GPU and returns at once). The tensor lives
-# on the rank's device, `gst.local_device()`: the CPU here, GPU `LOCAL_RANK` under nccl, which
-# refuses CPU tensors.
+# The process group is the set of ranks that communicate together, and the connections between
+# them. Its **backend** is the library that moves the tensors. It is gloo on CPUs, and nccl when
+# there is one NVIDIA GPU per rank. This machine's backend is printed further down; every
+# committed
+# output of the course ran on gloo.
+#
+# Everything a rank prints appears below the cell, tagged with its rank. Here is the "hello world"
+# of
+# distributed training: every rank contributes a number, and **every rank receives the sum**.
+# `all_reduce` is a **collective**: an operation that every rank of the group must call, each with
+# its own tensor. With gloo it returns when all of them have called it. With nccl the call is
+# queued
+# on the GPU and returns at once. The tensor lives on the rank's device, `gst.local_device()`.
+# That is
+# the CPU here, and GPU `LOCAL_RANK` under nccl, which refuses CPU tensors.
 
 # %%
 def hello_allreduce(rank, world_size):
@@ -123,8 +140,8 @@ print(results)
 assert results == [WORLD_SIZE * (WORLD_SIZE + 1) / 2] * WORLD_SIZE
 
 # %% [markdown]
-# The same function on 4 ranks, no change. (On a 2-core laptop 4 ranks share 2 cores; that is
-# fine for learning, just slower.)
+# The same function on 4 ranks, no change. On a 2-core laptop, 4 ranks share 2 cores: fine for
+# learning, just slower.
 
 # %%
 results4 = gst.launch(hello_allreduce, world_size=4)
@@ -135,9 +152,10 @@ assert results4 == [10.0] * 4
 # %% [markdown]
 # ## Each rank sees what `torchrun` would give it
 #
-# Code written in a cell moves to a `torchrun` script unchanged, because the worker's
-# environment is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**: where the
-# ranks find each other when the job starts (the same for every rank):
+# Code written in a cell moves to a `torchrun` script unchanged. The reason: the worker's
+# environment
+# is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**, where the ranks find each
+# other when the job starts. They are the same for every rank:
 
 # %%
 def environment(rank, world_size):
@@ -159,8 +177,8 @@ print("backend:", envs[0]["backend"])
 # %% [markdown]
 # ## When a rank fails
 #
-# An exception in one rank stops every rank and is raised here, naming the rank, the
-# exception and the line that raised it, so you can fix it from the message alone.
+# An exception in one rank stops every rank and is raised here. The error names the rank, the
+# exception and the line that raised it. You can fix the bug from the message alone.
 
 # %% tags=["raises-exception"]
 def buggy(rank, world_size):
@@ -185,10 +203,11 @@ except gst.RankFailedError as err:
 
 # %% [markdown]
 # A **hang** is the other classic failure: one rank waits in a collective that another rank
-# never calls. `launch` stops every rank and raises, naming the ranks that were stuck and
-# where each one was waiting: as soon as it sees a rank wait in a collective that another rank
-# has returned without calling (that can never finish: a few seconds later), otherwise at its
-# wall-clock `timeout` (default 300 s). The check below asserts both numbers:
+# never calls. `launch` stops every rank and raises, naming the stuck ranks and where each one
+# waited. It acts as soon as a rank waits in a collective that another rank returned from without
+# calling. Such a wait can never finish, so `launch` stops it a few seconds later. Otherwise it
+# stops
+# at its wall-clock `timeout`, 300 s by default. The check below asserts both numbers:
 
 # %%
 def skips_a_collective(rank, world_size):
@@ -226,15 +245,17 @@ except gst.LaunchTimeoutError as err:
 # ## Exercise
 #
 # Write `gather_ranks(rank, world_size)` so that **every rank returns the list
-# `[0, 1, ..., world_size - 1]`**, learned from the other ranks: each rank knows only its own
-# number. `dist.all_gather(tensor_list, tensor)` fills `tensor_list[i]` with rank `i`'s
-# `tensor`, on every rank; `tensor_list` must hold one tensor per rank, each of the same shape
-# and dtype as `tensor`.
+# `[0, 1, ..., world_size - 1]`**. Each rank knows only its own number, so it must learn the
+# others.
+# `dist.all_gather(tensor_list, tensor)` fills `tensor_list[i]` with rank `i`'s `tensor`, on every
+# rank. `tensor_list` must hold one tensor per rank, each of the same shape and dtype as `tensor`.
 #
-# Replace the `raise` line with your code and run the cell, then run the check below it: it runs
-# your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong. Until you write
-# it, it only says "not attempted yet", as in the notebook you downloaded. Stuck?
-# `%load solutions/00_gather_ranks.py` in a new cell loads a solution.
+# Replace the `raise` line with your code and run the cell, then run the check below it. The check
+# runs
+# your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong. Until
+# you
+# write it, it says "not attempted yet". Stuck? `%load solutions/00_gather_ranks.py` in a new cell
+# loads a solution.
 
 # %%
 def gather_ranks(rank, world_size):
