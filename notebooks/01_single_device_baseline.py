@@ -3,11 +3,15 @@
 #
 # **Question: what result should distributed training reproduce?**
 #
-# Before we split training across processes, we train once on a single device. This run is the
-# reference that every later notebook compares against: the same model, the same data order,
-# the same global batch of 256 samples per step, the same optimizer. If distributed training is
-# correct, it reproduces this run. (Words such as *rank* and *world size* are defined in the
-# [glossary](../README.md#glossary).)
+# **Short answer:** train once on one device, and keep that run. It uses a global batch of 256
+# samples
+# per step; a correct distributed run reproduces it.
+#
+# Before we split training across processes, we train once on a single device. Every later
+# notebook
+# compares against this reference run. It has the same model, the same data order, the same global
+# batch and the same optimizer. Words such as *rank* and *world size* are defined in the
+# [glossary](../README.md#glossary).
 
 # %%
 import os
@@ -33,9 +37,11 @@ torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, Fals
 # %% [markdown]
 # ## Data and model
 #
-# Fashion-MNIST: 28×28 grey images of clothes in 10 classes, a drop-in replacement for MNIST
-# that is harder to fit, so the loss curves say more. `gst.data.load()` returns the whole set as
-# two normalized tensors in memory (it fetches the files the first time: see the README).
+# The data set is Fashion-MNIST: 28×28 grey images of clothes in 10 classes. It is a drop-in
+# replacement for MNIST that is harder to fit, so the loss curves say more. `gst.data.load()`
+# returns
+# the whole set as two normalized tensors in memory. It fetches the files the first time (see the
+# README).
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -56,14 +62,15 @@ print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
 # %% [markdown]
 # ## The training loop
 #
-# Notebooks 02 and 03 keep this function's names and order, and change only the lines they
-# teach. One detail matters for them: the **data order** comes from a generator seeded with
-# `SEED + epoch`, so any process can recompute it. Each step takes the next 256 indices of that
-# order. (This is how `DistributedSampler` shuffles too, as notebook 03 shows.)
+# Notebooks 02 and 03 keep this function's names and order, and change only the lines they teach.
+# One detail matters for them: the **data order** comes from a generator seeded with `SEED +
+# epoch`.
+# So any process can recompute it. Each step takes the next 256 indices of that order. This is how
+# `DistributedSampler` shuffles too, as notebook 03 shows.
 #
-# Two switches are for notebook 02, which compares runs number by number and explains why it
-# needs them: `dropout=False` turns dropout's random masks off, `dtype=torch.float64` computes
-# in double precision. The lesson trains with the defaults.
+# Two switches are for notebook 02, which compares runs number by number and explains why it needs
+# them. `dropout=False` turns dropout's random masks off. `dtype=torch.float64` computes in double
+# precision. The lesson trains with the defaults.
 
 # %% tags=["training-loop"]
 def train(epochs, lr=LR, dropout=True, dtype=torch.float32):
@@ -97,8 +104,9 @@ def accuracy(state, images, labels):
 
 
 # %% [markdown]
-# Train on one device: a GPU if there is one, else the CPU. (How long it takes depends on the
-# machine: `make doctor` prints this machine's time for one epoch.)
+# Train on one device: a GPU if there is one, else the CPU. How long it takes depends on the
+# machine;
+# `make doctor` prints this machine's time for one epoch.
 
 # %%
 baseline = train(EPOCHS)
@@ -107,8 +115,8 @@ print(f"{EPOCHS} epochs on {gst.local_device()}: "
       f"last loss {baseline['losses'][-1]:.3f}, test accuracy {baseline_accuracy:.1%}")
 
 # %% [markdown]
-# The loss falls, and the model beats chance (10 %) by far: over 50 % after the full lesson,
-# a lower bar in the short CI run.
+# The loss falls, and the model beats chance (10 %) by far. It reaches over 50 % after the full
+# lesson, and a lower bar in the short CI run.
 
 # %%
 losses = baseline["losses"]
@@ -126,11 +134,12 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 # %% [markdown]
 # ## Reproducible, so comparable
 #
-# The same seed gives the same run, step for step. That is what lets the next notebooks compare
-# a distributed run against this one number by number. Train one epoch again: its losses are
-# the baseline's first epoch, bit for bit. (On a GPU, only with deterministic kernels: the first
-# cell asks cuDNN for them. Expected to hold there, not yet run on a GPU: torch lists
-# `NLLLoss` on CUDA among its nondeterministic operations.)
+# The same seed gives the same run, step for step. That lets the next notebooks compare a
+# distributed
+# run with this one, number by number. Train one epoch again: its losses are the baseline's first
+# epoch, bit for bit. On a GPU this needs deterministic kernels, which the first cell asks cuDNN
+# for. It is expected to hold there, but has not yet run on a GPU. Torch lists `NLLLoss` on CUDA
+# among its nondeterministic operations.
 
 # %% tags=["nbval-check-output"]
 again = train(1)
@@ -141,22 +150,27 @@ assert again["losses"] == losses[:steps_per_epoch]
 # %% [markdown]
 # ## Copy this into your code
 #
-# * Seed the initial weights (`torch.manual_seed`) and derive the data order from a seed plus the
-#   epoch: both are what distributed training will need every rank to agree on.
+# * Seed the initial weights (`torch.manual_seed`). Derive the data order from a seed plus the
+#   epoch.
+#   Distributed training needs every rank to agree on both.
 # * Keep a single-process run of your model as the reference for any distributed change.
 
 # %% [markdown]
 # ## Exercise: a batch too large for memory
 #
-# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation** takes the same
-# optimizer step in pieces: split the batch into `micro_batches` equal micro-batches and call
-# `backward()` on each. `backward()` *adds* into `.grad`, so the pieces' gradients add up; scale
+# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation**
+# takes
+# the same optimizer step in pieces. Split the batch into `micro_batches` equal micro-batches and
+# call `backward()` on each. `backward()` *adds* into `.grad`, so the pieces' gradients add up.
+# Scale
 # each micro-batch's loss so that the sum is the gradient of the whole batch's mean loss.
 #
 # Write `accumulate_gradients(model, images, labels, micro_batches)`. The caller zeroes the
-# gradients before and steps the optimizer after; your function leaves in `.grad` the gradient of
-# `F.nll_loss` over the whole batch, computed one micro-batch at a time, and returns that mean
-# loss as a float, for logging:
+# gradients
+# before and steps the optimizer after. Your function leaves in `.grad` the gradient of
+# `F.nll_loss`
+# over the whole batch, computed one micro-batch at a time. It returns that mean loss as a float,
+# for logging:
 #
 # ```python
 # optimizer.zero_grad()
@@ -165,9 +179,11 @@ assert again["losses"] == losses[:steps_per_epoch]
 # ```
 #
 # Notebook 02 does the same across processes: each rank computes one slice's gradient, and the
-# ranks add them up. The check below compares your gradient with one `backward()` on the whole
-# batch (dropout off) and prints "✓ correct", or fails with what is wrong; until you write it, it
-# says "not attempted yet". Stuck? `%load solutions/01_accumulate_gradients.py` in a new cell.
+# ranks
+# add them up. The check below compares your gradient with one `backward()` on the whole batch
+# (dropout off). It prints "✓ correct", or fails with what is wrong. Until you write it, it says
+# "not
+# attempted yet". Stuck? `%load solutions/01_accumulate_gradients.py` in a new cell.
 
 # %%
 def accumulate_gradients(model, images, labels, micro_batches):
