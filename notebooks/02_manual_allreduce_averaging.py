@@ -12,18 +12,24 @@
 # ```
 #
 # This is the classic code from PyTorch's "Writing Distributed Applications" tutorial. Two
-# processes each build their own `model = Net()`, and the function seems to touch only the local
-# model's gradients. A popular answer says to drop the division. Who is right?
+# processes
+# each build their own `model = Net()`, and the function seems to touch only the local model's
+# gradients. A popular answer says to drop the division. Who is right?
 #
-# **Short answer: the code is right, provided every rank starts from the same weights** (the
-# same `torch.manual_seed` before `Net()` on every rank, or rank 0's weights broadcast to the
-# others; DDP does the broadcast for you, notebook 03). `all_reduce` is a *collective* (see the
-# [glossary](../README.md#glossary)): every rank calls it with its own tensor, every rank
-# contributes it, and every rank receives the sum of all of them, in place. Dividing by the
-# number of ranks turns the sum into the mean, so every replica takes the same step and, having
-# started equal, stays equal. Dropping the division multiplies SGD's learning rate by the number
-# of ranks; Adam hides it, except for gradient clipping and Adam's own `weight_decay`. The rest
-# of this notebook measures each of these sentences.
+# **Short answer:** keep the code, and start every rank from the same weights. Use the same
+# `torch.manual_seed` before `Net()` on every rank, or broadcast rank 0's weights; DDP does the
+# broadcast for you (notebook 03). To vary dropout across ranks, reseed with `seed + rank` after
+# building the model.
+#
+# `all_reduce` is a *collective* (see the [glossary](../README.md#glossary)). Every rank calls it
+# with
+# its own tensor, and every rank receives the sum of all of them, in place. Dividing by the number
+# of
+# ranks turns the sum into the mean. So every replica takes the same step and, having started
+# equal,
+# stays equal. Dropping the division multiplies SGD's learning rate by the number of ranks. Adam
+# hides it, except for gradient clipping and Adam's own `weight_decay`. The rest of this notebook
+# measures each of these sentences.
 
 # %%
 import os
@@ -62,15 +68,17 @@ torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, Fals
 #
 # ![all_reduce: every rank contributes its gradient, every rank receives the sum](../images/allreduce.png)
 #
-# Each rank (process) holds a full **replica** of the model and computes gradients on its own
-# slice of the batch. `dist.all_reduce(t, op=SUM)` is called by *every* rank with *its own* `t`;
-# when it returns, each rank's `t` holds the element-wise sum over all ranks. So after the loop
-# every replica holds the same, averaged gradient, every optimizer takes the same step, and the
-# replicas stay identical. Nothing is "only local": the call is the communication.
+# Each rank (process) holds a full **replica** of the model. It computes gradients on its own
+# slice
+# of the batch. `dist.all_reduce(t, op=SUM)` is called by *every* rank with *its own* `t`. When it
+# returns, each rank's `t` holds the element-wise sum over all ranks. So after the loop every
+# replica
+# holds the same, averaged gradient. Every optimizer takes the same step, and the replicas stay
+# identical. Nothing is "only local": the call is the communication.
 #
-# Today's spelling, which the rest of the course uses: `dist.ReduceOp.SUM` (`reduce_op` is its
-# deprecated old name), no `.data` (the gradient is not part of any autograd graph), an integer
-# world size, and parameters without a gradient skipped:
+# The rest of the course uses today's spelling. `dist.ReduceOp.SUM` replaces `reduce_op`, its
+# deprecated old name. There is no `.data`, since the gradient is not part of any autograd graph.
+# The world size is an integer, and parameters without a gradient are skipped:
 
 # %%
 def average_gradients(model):
@@ -83,7 +91,7 @@ def average_gradients(model):
 
 
 # %% [markdown]
-# First, the collective itself: each rank starts with a different tensor and all end with the sum.
+# First, the collective itself. Each rank starts with a different tensor and all end with the sum.
 
 # %%
 def show_all_reduce(rank, world_size):
@@ -140,11 +148,14 @@ for rank, p in enumerate(probe):
           f"after average_gradients {show(p['after']['fc2.bias'])}")
 
 # %% [markdown]
-# Checked for every parameter, not only `fc2.bias`: after `backward()` the ranks' gradients
-# differ (each rank saw other samples); after `average_gradients` they are identical on every
-# rank, bit for bit (on GPUs too: NCCL sends every rank the same finished sum), and equal to the
-# mean of the gradients before; and that mean equals the gradient one process computes on the
-# whole batch of 256, up to float rounding.
+# Checked for every parameter, not only `fc2.bias`. After `backward()` the ranks' gradients
+# differ,
+# since each rank saw other samples. After `average_gradients` they are identical on every rank,
+# bit
+# for bit. They equal the mean of the gradients before. And that mean equals the gradient one
+# process
+# computes on the whole batch of 256, up to float rounding. On GPUs too, every rank gets the same
+# bits: NCCL sends every rank the same finished sum.
 
 # %%
 before_gap = gst.checks.compare_ranks([p["before"] for p in probe], show=False)
@@ -199,16 +210,17 @@ assert any("reduce_op" in w and "deprecated" in w for w in as_asked[0]["warnings
 # %% [markdown]
 # The question's code gives today's spelling's gradients bit for bit. Its one complaint is the
 # `FutureWarning` above: `torch.distributed.reduce_op` `is deprecated, please use`
-# `torch.distributed.ReduceOp` instead. Dividing by `2.0` or by `2` is the same operation, and
-# `.data` changes nothing here, since no gradient is part of a graph. The modern spelling is a
-# matter of style and of future versions, not of correctness.
+# `torch.distributed.ReduceOp` instead. Dividing by `2.0` or by `2` is the same operation. `.data`
+# changes nothing here, since no gradient is part of a graph. The modern spelling is a matter of
+# style and of future versions, not of correctness.
 #
-# **The precondition: the replicas start identical.** Averaging makes the *gradients* equal; the
-# *weights* stay equal only if they start equal. Above, every rank seeded the same generator
-# before `Net()`, so the initial weights agree. Seed each rank differently (a common slip:
-# seeding with the rank) and the replicas differ from the start, and go on differing, since each
-# applies the same averaged step to other weights. Notebook 03 shows the usual cure: DDP (or a
-# `dist.broadcast` from rank 0) copies rank 0's weights to every rank.
+# **The precondition: the replicas start identical.** Averaging makes the *gradients* equal; the *weights* stay equal only if they start equal. Above,
+# every rank seeded the same generator before `Net()`, so the initial weights agree. A common slip
+# is to seed each rank differently, with the rank. The replicas then differ from the start. They
+# go
+# on differing, since each applies the same averaged step to other weights (notebook 04 measures
+# it). Notebook 03 shows the usual cure: DDP, or a `dist.broadcast` from rank 0, copies rank 0's
+# weights to every rank.
 
 # %%
 same_start = gst.checks.compare_ranks([p["weights"] for p in probe], show=False)
@@ -225,10 +237,12 @@ assert same_start == 0.0 and seeded_apart > 0.1
 # %% [markdown]
 # ## Training on N ranks
 #
-# The whole training loop, as each rank runs it. Here is what changed since notebook 01's
-# `train`, read from both notebooks: the signature takes the rank and the world size; each rank
-# takes its **shard**, every N-th index of the shared, seeded data order, in batches of 256/N;
-# and `average(model)` (by default `average_gradients`) runs between `backward()` and `step()`.
+# The whole training loop, as each rank runs it. Here is what changed since notebook 01's `train`, read from both notebooks. The signature takes
+# the
+# rank and the world size. Each rank takes its **shard**: every N-th index of the shared, seeded
+# data
+# order, in batches of 256/N. And `average(model)`, by default `average_gradients`, runs between
+# `backward()` and `step()`.
 
 # %% tags=["training-loop"]
 def train(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32,
@@ -264,10 +278,10 @@ changes = gst.notebooks.show_diff(train_01, train, names=("01: train", "02: trai
 assert changes == 5
 
 # %% [markdown]
-# With `world_size=1` the shard is the whole order, the batch is 256 and `all_reduce` over one
-# rank changes nothing: it is notebook 01's loop. Checked by running both, notebook 01's `train`
-# read from notebook 01, to the last bit (on a GPU thanks to the deterministic kernels asked for
-# in the first cell):
+# With `world_size=1` the shard is the whole order and the batch is 256. An `all_reduce` over one
+# rank changes nothing: it is notebook 01's loop. The check runs both, with notebook 01's `train`
+# read from notebook 01, and compares them to the last bit. On a GPU that relies on the
+# deterministic kernels asked for in the first cell:
 
 # %%
 baseline = train_01(EPOCHS)  # notebook 01's loop, in this process
@@ -307,19 +321,21 @@ fig = gst.plots.plot_loss_curves(
 # One step matched above. Does the whole run? Two things differ between an N-rank run and the
 # single process, and neither is the averaging:
 #
-# * **Dropout.** Every rank seeds the same generator, so rank 1 draws the same masks for its
-#   128 samples as rank 0 for its own, where one process draws 256 different masks: the runs
-#   train different sub-networks. `dropout=False` turns it off. (Kept here for the equalities;
-#   the scripts and snippets you copy seed `SEED + rank` after building the model, so that
-#   each rank draws its own masks.)
-# * **Rounding.** Float addition is not associative, and a batch of 256 is summed in another
-#   order than two of 128 (the difference between one process's gradient and the ranks' after
-#   one step, above). Training amplifies such differences step after step.
-#   `dtype=torch.float64` makes each rounding error 2^29 (about 5 × 10^8) times smaller: the
-#   ratio of float32's machine epsilon to float64's, printed below.
+# * **Dropout.** Every rank seeds the same generator, so rank 1 draws the same masks for its 128
+#   samples as rank 0 for its own. One process draws 256 different masks, so the runs train
+#   different sub-networks. `dropout=False` turns dropout off. This notebook keeps one seed for
+# the
+#   equalities. The scripts (and snippet 06) seed `SEED + rank` after building the model, so that
+#   each rank draws its own masks.
+# * **Rounding.** Float addition is not associative. A batch of 256 is summed in another order
+#   than
+#   two of 128; the step above showed that difference after one step. Training carries such
+#   differences into every later step. `dtype=torch.float64` makes each rounding error 2^29 (about
+#   5 × 10^8) times smaller. That is the ratio of float32's machine epsilon to float64's, printed
+#   below.
 #
-# With both switches, the whole run (`EPOCHS` epochs) on 2 and on 4 ranks against notebook 01's
-# loop on one process; and, for comparison, the same run in float32 on 2 ranks:
+# Both switches on, the whole run (`EPOCHS` epochs) on 2 and on 4 ranks is compared with notebook
+# 01's loop on one process. For comparison, the same run in float32 on 2 ranks:
 
 # %%
 exact = dict(dropout=False, dtype=torch.float64)
@@ -339,10 +355,12 @@ for n, runs in ranks.items():
     assert gap <= 1e-14  # a few units of float64's last bit
 
 # %% [markdown]
-# The mean of the ranks' losses is the single process's loss at every step (each rank's loss is
-# the mean over an equal share of the batch). On the left the float64 curves, which coincide; on
-# the right how far apart they are, step by step, in float64 and in float32 (a difference of
-# exactly 0 is drawn at 1e-18, along the bottom):
+# The mean of the ranks' losses is the single process's loss at every step. (Each rank's loss is
+# the
+# mean over an equal share of the batch.) On the left, the float64 curves coincide. On the right,
+# how far apart they are, step by step, in float64 and in float32. A difference of exactly 0 is
+# drawn
+# at 1e-18, along the bottom:
 
 # %%
 def mean_over_ranks(runs):
@@ -376,8 +394,8 @@ print(f"float64: max |mean over ranks - 1 process| over every step: {loss_gap:.2
 assert loss_gap <= 1e-9 < max(gaps["float32, 2 ranks"])
 
 # %% [markdown]
-# What each switch hides, measured on 2 ranks against one process over the same `EPOCHS`
-# epochs: float32 without dropout (above), and the lesson's runs, float32 with dropout:
+# What each switch hides, measured on 2 ranks against one process over the same `EPOCHS` epochs.
+# First float32 without dropout (above), then the lesson's runs, float32 with dropout:
 
 # %%
 rounding = gst.checks.compare_state_dicts(float32_ranks[0]["state"], float32_single["state"],
@@ -389,16 +407,18 @@ print(f"  float32, dropout on:  {with_dropout:.2g} (other masks)")
 assert 0 < rounding < with_dropout
 
 # %% [markdown]
-# So with averaged gradients, N ranks train the same model as one process with the whole batch:
-# in float64 to about 1e-16, a few units of the last bit, over the whole run, for 2 and 4 ranks.
-# In float32 the runs drift apart as any two runs that add numbers in another order do.
+# So with averaged gradients, N ranks train the same model as one process with the whole batch. In
+# float64 they agree to about 1e-16 over the whole run, for 2 and 4 ranks: a few units of the last
+# bit. In float32 the runs drift apart, as any two runs that add numbers in another order do.
 
 # %% [markdown]
 # ## The popular answer: all_reduce without dividing
 #
-# Without the division every rank holds the **sum** of the gradients, N times the mean. For
-# plain SGD (momentum included) that is the correct average with the learning rate multiplied
-# by N. Run both, one epoch on the same ranks:
+# Without the division every rank holds the **sum** of the gradients, N times the mean. For plain
+# SGD
+# (momentum included) that is the correct average with the learning rate multiplied by N. Run
+# both,
+# one epoch on the same ranks:
 
 # %%
 def sum_gradients(model):  # the popular answer: no division
@@ -418,10 +438,12 @@ print(f"no division at lr={LR} vs average at lr={LR * WORLD_SIZE}: max |differen
 assert diff <= 1e-6
 
 # %% [markdown]
-# In the plot, the no-division curve (dashed) lies exactly on the curve of averaging at
-# `lr × N`. That run learns faster than the lesson's here only because `lr=0.01` is small for
-# this model: a bigger learning rate helps, for now. The next section shows what the bug does
-# to a learning rate that is already good.
+# In the plot, the no-division curve (dashed) lies exactly on the curve of averaging at `lr × N`.
+# That run learns faster than the lesson's only because `lr=0.01` is small for this model. A
+# bigger
+# learning rate helps, for now. The next section shows what the bug does to a learning rate that
+# is
+# already good.
 
 # %%
 fig = gst.plots.plot_loss_curves(
@@ -434,12 +456,16 @@ fig = gst.plots.plot_loss_curves(
 # %% [markdown]
 # ### The harm: the learning rate now depends on the number of GPUs
 #
-# You choose a learning rate for your setup; the bug multiplies it by however many GPUs the job
-# gets. Take a learning rate that works better than the lesson's on one process, then move to 8
-# GPUs without the division. No 8 ranks are needed to see it: on N equal shards, the sum of the
-# ranks' mean gradients is N times the whole batch's mean gradient, so one process that
-# multiplies its gradient by 8 takes the step that 8 ranks without the division take. First that
-# emulation, checked against a real `all_reduce` sum on 4 ranks (one step):
+# You choose a learning rate for your setup. The bug multiplies it by however many GPUs the job
+# gets.
+# Take a learning rate that works better than the lesson's on one process, then move to 8 GPUs
+# without the division.
+#
+# No 8 ranks are needed to see it. On N equal shards, the sum of the ranks' mean gradients is N
+# times the whole batch's mean gradient. So one process that multiplies its gradient by 8 takes
+# the
+# step of 8 ranks without the division. First that emulation, checked against a real `all_reduce`
+# sum on 4 ranks (one step):
 
 # %%
 def times(n):  # what the popular answer computes on n ranks, emulated in one process
@@ -455,9 +481,9 @@ print(f"all_reduce SUM on 4 ranks vs gradient x 4 in one process: max |differenc
 assert gap <= 1e-6
 
 # %% [markdown]
-# Now train the first `STEPS` steps with `lr=0.1`, ten times the lesson's, on one process, then
-# with the popular answer on 8 ranks, emulated. (With the division, 8 ranks are the one-process
-# run, as proven above.)
+# Now train the first `STEPS` steps with `lr=0.1`, ten times the lesson's. First on one process,
+# then with the popular answer on 8 ranks, emulated. With the division, 8 ranks take the
+# one-process steps, up to rounding and dropout.
 
 # %%
 STEPS = 50  # optimizer steps (12,800 samples), in the short run too
@@ -508,9 +534,11 @@ assert tail(eight) > tail(one) + 0.2  # and the popular answer on 8 GPUs slows i
 # %% [markdown]
 # ### When no division is right
 #
-# When each rank's loss is already divided by the **global** number of samples (its sum over
-# its own samples, divided by 256, as in notebook 04's mean-of-means pitfall), the sum over
-# ranks is already the mean: then `all_reduce` without dividing is right. Checked on one step:
+# Each rank's loss may already be divided by the **global** number of samples. That is its sum
+# over
+# its own samples, divided by 256 (notebook 04's mean-of-means pitfall). The sum over ranks is
+# then
+# already the mean, and `all_reduce` without dividing is right. Checked on one step:
 
 # %%
 global_mean = gst.launch(gradient_probe, world_size=WORLD_SIZE,
@@ -527,10 +555,12 @@ assert gap <= 1e-6
 # the averaging sees the difference:
 #
 # * **Weight decay.** `SGD(weight_decay=wd)` adds `wd * param` to the gradient inside `step()`,
-#   after your averaging: not multiplied by N. So no division at `lr` equals averaging at
+#   after your averaging, so it is not multiplied by N. No division at `lr` thus equals averaging
+# at
 #   `lr × N` with `wd / N`, not with `wd`.
 # * **Gradient clipping.** `clip_grad_norm_` sees a gradient norm N times larger, so it clips
-#   more: no division with `max_norm` equals averaging at `lr × N` with `max_norm / N`.
+#   more.
+#   No division with `max_norm` equals averaging at `lr × N` with `max_norm / N`.
 #
 # Measured over the first `SHORT` steps on the ranks, against the averaged run at `lr × N`:
 
@@ -563,9 +593,11 @@ assert vs(clipped, "no division", "average, max_norm") > 1e-4
 assert vs(clipped, "no division", "average, max_norm / N") <= 1e-5  # see below
 
 # %% [markdown]
-# With `max_norm / N` the runs agree closely (printed above), but not bit for bit. The reason
-# is in `clip_grad_norm_`'s own code: it scales by `max_norm / (total_norm + 1e-6)`, and that
-# 1e-6 is not multiplied by N:
+# With `max_norm / N` the runs agree closely (printed above), but not bit for bit. The reason is
+# in
+# `clip_grad_norm_`'s own code. It scales by `max_norm / (total_norm + 1e-6)`, and that 1e-6 is
+# not
+# multiplied by N:
 
 # %%
 clip_code = inspect.getsource(torch.nn.utils.clip_grad)
@@ -573,24 +605,28 @@ print(next(line.strip() for line in clip_code.splitlines() if "clip_coef = max_n
 assert "max_norm / (total_norm + 1e-6)" in clip_code
 
 # %% [markdown]
-# **What to do**: keep the division. Then `lr`, `weight_decay` and `max_norm` mean on N ranks
-# what they mean on one process, whatever N is.
+# **What to do**: keep the division. Then `lr`, `weight_decay` and `max_norm` mean the same on N
+# ranks as on one process.
 #
 # ### Why the bug goes unnoticed with Adam, and where it does not
 #
-# Adam divides each update by a running estimate of the gradient's magnitude, so multiplying
-# every gradient by N almost cancels: the update is $m / (\sqrt{v} + \epsilon)$, and with gradients
-# N times larger it becomes $N m / (N \sqrt{v} + \epsilon) = m / (\sqrt{v} + \epsilon / N)$.
-# Only $\epsilon$ differs: the bug equals correct averaging with $\epsilon / N$, and $\epsilon$
-# (1e-8) is tiny next to $\sqrt{v}$, so the runs barely differ. Two things common with Adam see
-# the gradient before Adam's division, as in SGD:
+# Adam divides each update by a running estimate of the gradient's magnitude. So multiplying every
+# gradient by N almost cancels. The update is $m / (\sqrt{v} + \epsilon)$. With gradients N times
+# larger it becomes $N m / (N \sqrt{v} + \epsilon) = m / (\sqrt{v} + \epsilon / N)$. Only
+# $\epsilon$
+# differs: the bug equals correct averaging with $\epsilon / N$. And $\epsilon$ (1e-8) is tiny
+# next
+# to $\sqrt{v}$, so the runs barely differ. Two things common with Adam see the gradient before
+# Adam's division, as in SGD:
 #
-# * **`clip_grad_norm_`** sees the N times larger norm: no division with `max_norm` equals
-#   averaging with `max_norm / N` (and $\epsilon / N$);
-# * **Adam's `weight_decay`** is an L2 term added to the gradient, `grad + wd * param`, before
-#   the moments: with an N times larger gradient it weighs N times less, so no division equals
-#   averaging with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly, apart from
-#   the gradient, so its decay is unaffected.
+# * **`clip_grad_norm_`** sees the N times larger norm. No division with `max_norm` equals
+#   averaging
+#   with `max_norm / N` (and $\epsilon / N$).
+# * **Adam's `weight_decay`** is an L2 term added to the gradient before the moments:
+#   `grad + wd * param`. With an N times larger gradient it weighs N times less. So no division
+#   equals averaging with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly,
+# apart
+#   from the gradient, so its decay is unaffected.
 #
 # Measured over the first `SHORT` steps on the ranks:
 
@@ -650,21 +686,23 @@ equivalent = adam_gaps["clip_grad_norm_", "average, eps / N, max_norm / N"]
 assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see below
 
 # %% [markdown]
-# With clipping, "equal" means equal up to `clip_grad_norm_`'s `1e-6` (above), which training
-# amplifies, as it amplifies any rounding: the difference printed for `max_norm / N` stays far
+# With clipping, "equal" means equal up to `clip_grad_norm_`'s `1e-6` (above). Training carries
+# that
+# difference on, as it carries any rounding. The difference printed for `max_norm / N` stays far
 # below the one with `max_norm` unscaled, but is not 0.
 #
-# **If you use Adam**: keep the division too. Without it, `clip_grad_norm_(max_norm)` clips as
-# if at `max_norm / N` and `Adam(weight_decay=wd)` decays as if with `wd / N`; only the plain
-# update (and `AdamW`'s decay) hides the bug.
+# **If you use Adam**: keep the division too. Without it, `clip_grad_norm_(max_norm)` clips as if
+# at
+# `max_norm / N`. `Adam(weight_decay=wd)` decays as if with `wd / N`. Only the plain update, and
+# `AdamW`'s decay, hide the bug.
 
 # %% [markdown]
 # ## Copy this into your code
 #
 # `snippets/02_average_gradients.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`: `average_gradients` and the three lines that call it
-# are the part to copy; the rest checks, on every rank, that the averaged gradient is the one of
-# the whole batch.
+# `torchrun --standalone --nproc-per-node 2`. Copy `average_gradients` and the three lines that
+# call
+# it. The rest checks, on every rank, that the averaged gradient is the one of the whole batch.
 #
 # <!-- snippets/02_average_gradients.py -->
 # ```python
@@ -742,20 +780,25 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #     main()
 # ```
 #
-# Start every rank from the same weights (same seed, or a broadcast from rank 0) and give each
-# rank a different shard of every batch. Notebook 03 gets all of this from `DistributedDataParallel`;
-# notebook 05 shows why 8 small `all_reduce` calls per step are slow.
+# Start every rank from the same weights: the same seed, or a broadcast from rank 0. Give each
+# rank a
+# different shard of every batch. Notebook 03 gets all of this from `DistributedDataParallel`.
+# Notebook 05 shows why 8 small `all_reduce` calls per step are slow.
 
 # %% [markdown]
 # ## Exercise
 #
 # Write `average_gradients_flat(model)` that makes **one** `all_reduce` call per step, instead of
-# one per parameter: flatten all gradients into one tensor (`torch.cat([p.grad.flatten() ...])`),
-# reduce it, divide, and copy the pieces back into each `p.grad` (`torch.cat` makes a copy).
+# one
+# per parameter. Flatten all gradients into one tensor (`torch.cat([p.grad.flatten() ...])`),
+# reduce
+# it, and divide. Then copy the pieces back into each `p.grad`, since `torch.cat` makes a copy.
 #
-# The check below runs it on 2 ranks, then on 3, each with its own gradients, compares the result with the
-# mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails with what
-# is wrong; until you write the function, it says "not attempted yet". Stuck?
+# The check below runs it on 2 ranks, then on 3, each with its own gradients. It compares the
+# result
+# with the mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails
+# with
+# what is wrong. Until you write the function, it says "not attempted yet". Stuck?
 # `%load solutions/02_average_gradients_flat.py` in a new cell.
 
 # %%
