@@ -214,7 +214,8 @@ assert any("reduce_op" in w and "deprecated" in w for w in as_asked[0]["warnings
 # changes nothing here, since no gradient is part of a graph. The modern spelling is a matter of
 # style and of future versions, not of correctness.
 #
-# **The precondition: the replicas start identical.** Averaging makes the *gradients* equal; the *weights* stay equal only if they start equal. Above,
+# **The precondition: the replicas start identical.** Averaging makes the *gradients* equal; the
+# *weights* stay equal only if they start equal. Above,
 # every rank seeded the same generator before `Net()`, so the initial weights agree. A common slip
 # is to seed each rank differently, with the rank. The replicas then differ from the start. They
 # go
@@ -237,7 +238,8 @@ assert same_start == 0.0 and seeded_apart > 0.1
 # %% [markdown]
 # ## Training on N ranks
 #
-# The whole training loop, as each rank runs it. Here is what changed since notebook 01's `train`, read from both notebooks. The signature takes
+# The whole training loop, as each rank runs it. Here is what changed since notebook 01's `train`,
+# read from both notebooks. The signature takes
 # the
 # rank and the world size. Each rank takes its **shard**: every N-th index of the shared, seeded
 # data
