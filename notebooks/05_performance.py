@@ -4,27 +4,42 @@
 # **Question: `DistributedDataParallel` averages the same gradients as notebook 02's loop
 # (notebook 03). What does it do differently to be fast, and which of it pays off where?**
 #
-# Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP
-# is built on three ideas:
+# **Short answer:** send all the gradients in one call, not one call per parameter. On this CPU,
+# notebook 02's 8 calls a step take several times the time of one; the ratio is printed below.
+# Overlap with backward pays only where something else moves the bytes, as on GPUs.
 #
-# 1. **a call costs time of its own, besides the time its bytes take** (its latency), so send
-#    all gradients in *one* flat buffer instead of 8 (or hundreds of) small tensors;
-# 2. cut that buffer into **buckets** of about 25 MiB, in the order backward produces gradients;
-# 3. start each bucket's `all_reduce` **while backward is still running**, and wait for them at
-#    the end of `backward()` (our own version below waits in its `average()`).
+# Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP is
+# built
+# on three ideas:
 #
-# We build each idea in turn (the code lives in `gst.averaging`, so that this notebook, the
-# benchmark and the tests run the same code; its source is `gradsync_tutorial/averaging.py`),
-# prove that each gives DDP's result, and time it on this machine, a CPU with gloo. What it
-# shows: idea 1 pays off here, where the steps are short (per-parameter averaging pays 8
-# latencies a step, one flat buffer one); idea 3 does not, for DDP as for our own version,
-# because on a CPU the communication runs on the same cores as backward, so it cannot run
-# *beside* it. On GPUs it can: the interconnect moves the bytes while the GPU computes. That is
-# where DDP's gain is expected, in PyTorch's own words: "DDP's performance advantage comes from
-# overlapping allreduce collectives with computations during backwards"
-# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). This notebook does not
-# measure that: every output below ran on CPUs. Then DDP's knobs, the numerics of dividing
-# before or after summing, and what `all_reduce` does inside: a ring of `send`/`recv`.
+# 1. **Flat**: a call costs time of its own, its latency, besides the time its bytes take. So send
+#    all gradients in *one* flat buffer instead of 8, or hundreds of, small tensors.
+# 2. **Buckets**: cut that buffer into buckets of about 25 MiB, in the order backward produces
+#    gradients.
+# 3. **Overlap**: start each bucket's `all_reduce` **while backward is still running**. Wait for
+#    them
+#    at the end of `backward()`; our own version below waits in its `average()`.
+#
+# We build each idea in turn, prove that it gives DDP's result, and time it on this machine, a CPU
+# with gloo. The code lives in `gst.averaging` (`gradsync_tutorial/averaging.py`), so this
+# notebook,
+# the benchmark and the tests run the same code.
+#
+# What it shows: idea 1 pays off here, where the steps are short. Per-parameter averaging pays 8
+# latencies a step, one flat buffer one. Idea 2 matters for memory and for overlap, not for speed
+# on
+# this small model. Idea 3 does not pay here, for DDP as for our own version. On a CPU the
+# communication runs on the same cores as backward, so it cannot run *beside* it. On GPUs it can:
+# the interconnect moves the bytes while the GPU computes. That is where DDP's gain is expected.
+# In
+# PyTorch's own words: "DDP's performance advantage comes from overlapping allreduce collectives
+# with
+# computations during backwards" ([DDP
+# notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)).
+# This notebook does not measure that: every output below ran on CPUs.
+#
+# Then come DDP's knobs, the numerics of dividing before or after summing, and a ring of
+# `send`/`recv`.
 
 # %%
 import os
@@ -65,10 +80,11 @@ def show(obj):
 # %% [markdown]
 # ## Where the time goes: latency, then bandwidth
 #
-# Time one `all_reduce` of n floats, for n from 1 to millions. The usual model of a collective
-# is **time ≈ α + β · bytes**: α, the *latency*, is what a call costs whatever its size
-# (starting it, the ranks' messages finding each other); β is the time per byte, the inverse of
-# the bandwidth. Below some size α dominates, above it β · bytes does.
+# Time one `all_reduce` of n floats, for n from 1 to millions. The usual model of a collective is
+# **time ≈ α + β · bytes**. The *latency* α is what a call costs whatever its size: starting it,
+# and the ranks' messages
+# finding each other. The time per byte β is the inverse of the bandwidth. Below some size α
+# dominates; above it, β · bytes does.
 
 # %%
 def time_all_reduce(rank, world_size, sizes):
@@ -98,9 +114,11 @@ for n, t in ms.items():
     print(f"all_reduce of {n:>10,} floats ({4 * n / 1e6:9.6f} MB): {t:7.3f} ms")
 
 # %% [markdown]
-# α and β estimated from the two ends of these times: α, the median time of the calls of at most
-# 1,000 floats (their bytes cost next to nothing); β, the time per byte between the two largest
-# calls, where the bytes are nearly all of it. Then how far each measurement is from the model:
+# We estimate α and β from the two ends of these times. The latency α is the median time of the
+# calls of at most 1,000 floats, whose bytes cost next to nothing. The time per byte β comes from
+# the
+# two largest calls, where the bytes are nearly all of it. Then how far each measurement is from
+# the model:
 
 # %%
 t = torch.tensor(list(ms.values()), dtype=torch.float64)  # ms
@@ -137,9 +155,9 @@ plt.show()
 
 
 # %% [markdown]
-# What do 8 calls for the 8 tensors cost, against one call for all of them? On the CNN's own
-# gradients, with notebook 02's loop and with one flat buffer (both defined below): the calls
-# counted, the times measured alternately:
+# What do 8 calls for the 8 tensors cost, against one call for all of them? We use the CNN's own
+# gradients, with notebook 02's loop and with one flat buffer (both defined below). The calls are
+# counted, and the times measured alternately:
 
 # %%
 def time_averaging(rank, world_size, reps):
@@ -208,15 +226,19 @@ show(gst.averaging.FlatAverager)
 
 # %% [markdown]
 # Why keep the buffer instead of a fresh `torch.cat(...)` every step? On the CPU, for a large
-# model, the fresh buffer is memory new to the process: each of its pages faults and is zeroed
-# on first touch, which can cost more than the copy itself. Here for 40 MB, the gradients of a
-# 10M-parameter model. The page faults are counted by the operating system (a count, so it
-# does not depend on how busy the machine is); the times show what they cost here. (On a GPU the
-# argument is another one: "PyTorch uses a caching memory allocator to speed up memory
-# allocations", per its
-# [CUDA notes](https://docs.pytorch.org/docs/stable/notes/cuda.html#cuda-memory-management), so a
-# fresh buffer usually reuses memory; DDP keeps its buckets anyway, for `gradient_as_bucket_view`
-# among others, below.)
+# model,
+# the fresh buffer is memory new to the process. Each of its pages faults and is zeroed on first
+# touch, which can cost more than the copy itself. Here for 40 MB, the gradients of a
+# 10M-parameter
+# model. The operating system counts the page faults; a count does not depend on how busy the
+# machine is. The times show what they cost here.
+#
+# On a GPU the argument is another one. Per PyTorch's
+# [CUDA notes](https://docs.pytorch.org/docs/stable/notes/cuda.html#cuda-memory-management),
+# "PyTorch
+# uses a caching memory allocator to speed up memory allocations". So a fresh buffer usually
+# reuses
+# memory. DDP keeps its buckets anyway, for `gradient_as_bucket_view` among others (below).
 
 # %%
 try:
@@ -257,9 +279,10 @@ print(f"what it costs on this machine: a fresh buffer every step is {slower:.1f}
 # %% [markdown]
 # ## 3. Buckets
 #
-# One buffer for a 10-GB model would double its gradient memory and could only be sent after
-# the *whole* backward. DDP cuts the parameters into buckets of about `bucket_cap_mb` (25 MiB
-# by default), **last layer first**, since backward produces the last layer's gradients first.
+# One buffer for a 10-GB model would double its gradient memory. It could only be sent after the
+# *whole* backward. So DDP cuts the parameters into buckets of about `bucket_cap_mb` (25 MiB by
+# default). It fills them **last layer first**, since backward produces the last layer's gradients
+# first.
 
 # %%
 show(gst.averaging.make_buckets)
@@ -286,11 +309,12 @@ assert [names[p] for p in buckets[0]] == ["fc2.bias", "fc2.weight", "fc1.bias", 
 # DDP's own buckets follow this rule with two differences, which a communication hook (see
 # "DDP's knobs") lets us watch bucket by bucket:
 #
-# * in the **first iteration**, DDP puts every parameter in **one** bucket; after it, DDP
-#   **rebuilds** the buckets in the order the gradients really arrived, and keeps them;
-# * with `bucket_cap_mb` left at its default, the rebuilt **first bucket**, the gradients that
-#   arrive first, is capped at **1 MiB** (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so
-#   that communication starts early; the others at 25 MiB. Passing `bucket_cap_mb=25`
+# * In the **first iteration**, DDP puts every parameter in **one** bucket. After it, DDP
+#   **rebuilds** the buckets in the order the gradients really arrived, and keeps them.
+# * With `bucket_cap_mb` left at its default, the rebuilt **first bucket** is capped at **1 MiB**
+#   (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`). It holds the gradients that arrive first,
+# so
+#   that communication starts early. The other buckets hold 25 MiB. Passing `bucket_cap_mb=25`
 #   explicitly caps every bucket at 25 MiB.
 #
 # On a stack of 30 layers whose weights take 1 MiB each:
@@ -331,30 +355,36 @@ assert [round(size) for size in default[1]] == [1, 25, 4]  # 1 layer, 25 layers,
 assert [round(size) for size in explicit[1]] == [25, 5]
 
 # %% [markdown]
-# A bucket closes as soon as it holds at least its cap, so each holds a little more (a bias or
-# a tensor larger than the cap). The rebuild also explains a resume on more than 2 ranks
-# (notebook 06). A resumed DDP run can differ in the last bits from one that never stopped. Its
-# first iteration reduces one bucket, where the straight run reduced the rebuilt ones. On more
-# than 2 ranks, another split changes the last bits of some sums (measured below, "per
-# parameter and in one flat buffer").
+# A bucket closes as soon as it holds at least its cap, so each holds a little more: a bias, or a
+# tensor larger than the cap.
+#
+# The rebuild also explains a resume on more than 2 ranks (notebook 06). A resumed DDP run can
+# differ
+# in the last bits from one that never stopped. Its first iteration reduces one bucket, where the
+# straight run reduced the rebuilt ones. On more than 2 ranks, another split changes the last bits
+# of
+# some sums (measured below, "per parameter and in one flat buffer").
 
 # %% [markdown]
 # ## 4. Overlap: a mini DDP
 #
-# Buckets pay off once a bucket's `all_reduce` can start as soon as its gradients exist, while
-# backward goes on computing the earlier layers. PyTorch calls a hook registered with
+# Buckets pay off once a bucket's `all_reduce` can start as soon as its gradients exist. Backward
+# then goes on computing the earlier layers meanwhile. PyTorch calls a hook registered with
 # `param.register_post_accumulate_grad_hook(hook)` the moment `param.grad` is final. The hook
-# copies the gradient into its bucket's buffer; when the bucket is full, it launches the
-# bucket's `all_reduce` with `async_op=True`, which returns at once with a handle. After
-# `loss.backward()`, `wait()` waits on the handles, divides, and copies the means back.
+# copies
+# the gradient into its bucket's buffer. When the bucket is full, the hook launches the bucket's
+# `all_reduce` with `async_op=True`, which returns at once with a handle. After `loss.backward()`,
+# `wait()` waits on the handles, divides, and copies the means back.
 #
-# One rule matters: every rank must issue the same collectives **in the same order**. The
-# averager launches buckets strictly in bucket order, as DDP does: a full bucket waits until
-# the buckets before it are launched. Then the calls match even if the gradients arrived in
-# another order on some rank (a branch that depends on the data, say). Launching each gradient
-# the moment it is ready, as the exercise at the end does, is also safe, but only because
-# backward's order is fixed by the graph: the same model and code give the same order on every
-# rank, at every step:
+# One rule matters: every rank must issue the same collectives **in the same order**. The averager
+# launches buckets strictly in bucket order, as DDP does: a full bucket waits until the buckets
+# before it are launched. Then the calls match even if the gradients arrived in another order on
+# some rank, after a branch that depends on the data, say.
+#
+# Launching each gradient the moment it is ready is also safe; the exercise at the end does it.
+# But
+# it is safe only because the graph fixes backward's order. The same model and code give the same
+# order on every rank, at every step:
 
 # %%
 def gradient_order(rank, world_size, steps=2):
@@ -379,9 +409,9 @@ assert all(order == orders[0] for order in orders)  # the same on every rank...
 assert orders[0][:n_params] == orders[0][n_params:]  # ...and at every step
 
 # %% [markdown]
-# (`conv2.weight`'s gradient is ready before `conv2.bias`'s, although `make_buckets` lists
-# them the other way round: backward's order is not exactly the reverse of the parameters'.
-# That is why DDP rebuilds its buckets from the order it observed.)
+# `conv2.weight`'s gradient is ready before `conv2.bias`'s, although `make_buckets` lists them the
+# other way round. Backward's order is not exactly the reverse of the parameters'. That is why DDP
+# rebuilds its buckets from the order it observed.
 
 # %%
 show(gst.averaging.OverlappedAverager)
@@ -419,9 +449,10 @@ assert probe["when backward() returns"] == probe["buckets"]
 # %% [markdown]
 # ## Every variant gives DDP's result
 #
-# The training loop of notebook 02, with the lines being taught changed: `gst.averaging.prepare`
-# returns the module to call (`model` itself, or DDP's wrapper) and the averaging to run between
-# `backward()` and `step()` (nothing for DDP, which averages inside `backward()`).
+# The training loop of notebook 02, with the lines being taught changed. `gst.averaging.prepare`
+# returns the module to call: `model` itself, or DDP's wrapper. It also returns the averaging to
+# run
+# between `backward()` and `step()`; that is nothing for DDP, which averages inside `backward()`.
 
 # %%
 show(gst.averaging.prepare)
@@ -457,9 +488,10 @@ def train(rank, world_size, variant, epochs, options=None, comm_hook=None):
 
 
 # %% [markdown]
-# One epoch with each variant, all with the small bucket cap (DDP too), so that bucketed,
-# overlapped and DDP averaging each make 3 calls per step. (How long each takes is the
-# benchmark's job, below, which times them side by side.)
+# One epoch with each variant, all with the small bucket cap (DDP too). So bucketed, overlapped
+# and
+# DDP averaging each make 3 calls per step. How long each takes is the job of the benchmark below,
+# which times them side by side.
 
 # %%
 runs = {}
@@ -480,12 +512,14 @@ for variant, results in runs.items():
     assert vs_ddp == 0.0 or WORLD_SIZE > 2  # bit-identical with 2 ranks
 
 # %% [markdown]
-# With 2 ranks the parameters are bit-identical to DDP's: a sum of 2 numbers does not depend
-# on their order, and DDP's multiplication by 1/2 is exact (see "Divide, then sum" below). With
-# more ranks gloo adds the N numbers in an order that depends on where each one sits in the
-# buffer, and each variant lays the gradients out differently, so the last bits can differ
-# (notebook 03 finds the same for DDP against manual averaging). One `all_reduce` of the CNN's
-# gradients, per parameter and in one flat buffer, on 2, 3 and 4 ranks:
+# With 2 ranks the parameters are bit-identical to DDP's. A sum of 2 numbers does not depend on
+# their order, and DDP's multiplication by 1/2 is exact (see "Divide, then sum" below). With more
+# ranks, gloo adds the N numbers in an order that depends on where each one sits in the buffer.
+# Each
+# variant lays the gradients out differently, so the last bits can differ. Notebook 03 finds the
+# same for DDP against manual averaging. One `all_reduce` of the CNN's gradients, per parameter
+# and
+# in one flat buffer, on 2, 3 and 4 ranks:
 
 # %%
 def per_parameter_vs_flat(rank, world_size):
@@ -507,13 +541,16 @@ for n in (2, 3, 4):
 # %% [markdown]
 # ## Measured: the step time of each variant against DDP's
 #
-# `benchmarks/averaging.py` times whole training steps (forward, backward, averaging, step) of
-# every variant and of DDP in one launch, on the same batches, interleaved round by round, for
-# the CNN and for an MLP with 10 million parameters (40 MB of gradients, where bandwidth counts
-# too). Every rank runs one thread, and every variant uses DDP's default 25 MiB buckets. A
+# `benchmarks/averaging.py` times whole training steps: forward, backward, averaging and step. It
+# runs every variant and DDP in one launch, on the same batches, interleaved round by round. It
+# does
+# so for the CNN and for an MLP with 10 million parameters, whose 40 MB of gradients make
+# bandwidth
+# count too. Every rank runs one thread, and every variant uses DDP's default 25 MiB buckets. A
 # "compute only" line, which does not average at all, shows what a step costs without any
 # communication. This cell runs it as `python benchmarks/averaging.py` does, with fewer timed
-# rounds (8 for the CNN, 12 for the MLP, against the script's 24 and 48):
+# rounds:
+# 8 for the CNN and 12 for the MLP, against the script's 24 and 48:
 
 # %%
 bench = runpy.run_path("../benchmarks/averaging.py")  # the benchmark script's functions
@@ -548,36 +585,43 @@ assert all(r["calls"] == 8 for r in rows if r["name"] == "per-parameter")
 assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 
 # %% [markdown]
-# How to read it (your numbers will differ from the ones above, which depend on the machine and
-# on what else it runs; the "vs ddp" ratios are measured side by side, so they vary less):
+# How to read it: your numbers will differ from the ones above, which depend on the machine and on
+# its load. The "vs ddp" ratios are measured side by side, so they vary less.
 #
-# * the distance from a variant to **compute only** is what its communication costs per step;
-# * **per-parameter** pays 7 latencies a step more than flat; that shows where the step is
-#   short, as for the CNN. For the MLP the 40 MB dominate, and 8 calls cost about what one costs;
-# * **flat**, **bucketed** and **overlap** make one or two calls a step, as DDP does, and on this
-#   machine take about DDP's time, within the noise of the measurement;
-# * **overlap** hides communication behind backward only if something else moves the bytes
-#   while backward computes. On a CPU with one core per rank, gloo's communication thread has to
-#   take turns with backward on the same core, so overlapping, DDP's included, saves nothing
-#   here; that is why a variant that does not overlap can match or beat DDP on this machine. On
-#   GPUs the interconnect moves the bytes while the GPU computes (PyTorch's DDP notes, quoted at
-#   the top): expected, not measured here.
+# * The distance from a variant to **compute only** is what its communication costs per step.
+# * **Per-parameter** pays 7 latencies a step more than flat. That shows where the step is short,
+#   as
+#   for the CNN. For the MLP the 40 MB dominate, and 8 calls cost about what one costs.
+# * **Flat**, **bucketed** and **overlap** make one or two calls a step, as DDP does. On this
+#   machine
+#   they take about DDP's time, within the noise of the measurement.
+# * **Overlap** hides communication behind backward only if something else moves the bytes while
+#   backward computes. On a CPU with one core per rank, gloo's communication thread takes turns
+# with
+#   backward on the same core. So overlapping, DDP's included, saves nothing here. That is why a
+#   variant that does not overlap can match or beat DDP on this machine. On GPUs the interconnect
+#   moves the bytes while the GPU computes (PyTorch's DDP notes, quoted at the top). That is
+#   expected, not measured here.
 #
 # ## DDP's knobs
 #
-# DDP's constructor and hooks expose the ideas above as settings. On the MLP, where they
-# matter, 2 ranks:
+# DDP's constructor and hooks expose the ideas above as settings. They are measured on the MLP,
+# where
+# they matter, on 2 ranks:
 #
-# * `bucket_cap_mb` (default 25): smaller buckets can start communicating earlier but pay more
-#   latencies; larger ones pay fewer but start later;
-# * `gradient_as_bucket_view=True`: `.grad` becomes a view into its bucket. Its documentation:
+# * `bucket_cap_mb` (default 25): smaller buckets can start communicating earlier, but pay more
+#   latencies. Larger ones pay fewer, but start later.
+# * `gradient_as_bucket_view=True`: `.grad` becomes a view into its bucket. Its documentation
+#   says:
 #   "This can reduce peak memory usage, where the saved memory size will be equal to the total
-#   gradients size. Moreover, it avoids the overhead of copying between gradients and
-#   `allreduce` communication buckets." (The views are checked below.)
-# * a **communication hook** replaces DDP's `all_reduce` by any function of the bucket (notebook
-#   03 wrote one). The documented `fp16_compress_hook` sends float16: half the bytes, but fewer
-#   digits. What low precision does to the mean as the number of ranks grows, and bfloat16's
-#   hook, are the subject of [notebook 09](09_precision_of_the_sum.ipynb).
+#   gradients size. Moreover, it avoids the overhead of copying between gradients and `allreduce`
+#   communication buckets." The views are checked below.
+# * A **communication hook** replaces DDP's `all_reduce` by any function of the bucket; notebook
+#   03
+#   wrote one. The documented `fp16_compress_hook` sends float16: half the bytes, but fewer
+# digits.
+#   [Notebook 09](09_precision_of_the_sum.ipynb) shows what low precision does to the mean as the
+#   number of ranks grows, and bfloat16's hook.
 
 # %%
 show(default_hooks.fp16_compress_hook)
@@ -595,10 +639,11 @@ knob_rows = bench["run"](world_sizes=(WORLD_SIZE,), models=("mlp",), specs=knobs
                          rounds=None if SMOKE_TEST else ROUNDS, goals=False)
 
 # %% [markdown]
-# How to read it: with one core per rank nothing overlaps (see above), so the bucket size
-# changes little here. The float16 hook halves the bytes sent, but it adds two conversions
-# (float32 to float16 before sending, back after), and gloo sums float16 on the CPU. Each of
-# them timed on 10 million floats, against a float32 sum:
+# How to read it: with one core per rank nothing overlaps (see above), so the bucket size changes
+# little here. The float16 hook halves the bytes sent. But it adds two conversions, float32 to
+# float16 before sending and back after, and gloo sums float16 on the CPU. Each of them is timed
+# on
+# 10 million floats, against a float32 sum:
 
 # %%
 a32, b32 = torch.randn(10_000_000), torch.randn(10_000_000)
@@ -620,8 +665,8 @@ print(f"the two conversions: {conversions:.1f} ms, "
 assert all(t > 0 for t in work_ms.values())
 
 # %% [markdown]
-# Whether half the bytes pay for the two conversions depends on the link and on the hardware:
-# the `fp16_compress_hook` line of the table above is what it came to on this machine. And
+# Whether half the bytes pay for the two conversions depends on the link and on the hardware. The
+# `fp16_compress_hook` line of the table above is what it came to on this machine. And
 # `gradient_as_bucket_view=True` does make every `.grad` a view into DDP's bucket, one block of
 # memory for all of them:
 
@@ -644,9 +689,9 @@ print(f"distinct blocks of memory holding the 8 gradients: {storages[False]} by 
 assert storages == {False: 8, True: 1}
 
 # %% [markdown]
-# Do the knobs change the result? Buckets only move the same numbers around. So do the views
-# here, with the plain `zero_grad()` of this loop ("Divide, then sum" below shows when they do
-# not). The float16 hook rounds every gradient to 3 significant digits before sending it:
+# Do the knobs change the result? Buckets only move the same numbers around. So do the views here,
+# with the plain `zero_grad()` of this loop; "Divide, then sum" below shows when they do not. The
+# float16 hook rounds every gradient to 3 significant digits before sending it:
 
 # %%
 ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
@@ -671,14 +716,15 @@ assert knob_diffs["fp16_compress_hook"] > 10 * max(knob_diffs["gradient_as_bucke
 # ## Divide, then sum, or sum, then divide?
 #
 # Our variants sum, then divide by N (notebook 02). DDP multiplies each gradient by 1/N while
-# copying it into its bucket, *before* summing. With `gradient_as_bucket_view=True` and the
-# gradients zeroed in place, the gradient already is the bucket: DDP divides it in place by N,
-# also before summing.
-# `fp16_compress_hook` above divides before summing too. In exact arithmetic these are equal.
-# In floating point:
+# copying
+# it into its bucket, *before* summing. With `gradient_as_bucket_view=True` and the gradients
+# zeroed
+# in place, the gradient already is the bucket. DDP then divides it in place by N, also before
+# summing. `fp16_compress_hook` above divides before summing too. In exact arithmetic these are
+# equal. In floating point:
 #
-# * multiplying by 1/2 or 1/4 only changes the exponent, so it is exact, and the two orders give
-#   bit-identical results; 1/3 is rounded, so they can differ in the last bit;
+# * Multiplying by 1/2 or 1/4 only changes the exponent, so it is exact, and the two orders give
+#   bit-identical results. 1/3 is rounded, so they can differ in the last bit.
 
 # %%
 g = torch.randn(3, 100_000, generator=torch.Generator().manual_seed(SEED))  # 3 ranks' gradients
@@ -693,11 +739,12 @@ for n in (2, 3, 4):
 
 
 # %% [markdown]
-# * for the same reason `gradient_as_bucket_view=True` can change the last bits on 3 ranks:
-#   `x * (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does
-#   when the gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain
-#   `zero_grad()`, which sets them to `None`, the bits are the default's. Two steps of DDP on
-#   the same batches, against the default:
+# * For the same reason, `gradient_as_bucket_view=True` can change the last bits on 3 ranks.
+#   `x * (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does so
+# when
+#   the gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain `zero_grad()`,
+#   which sets them to `None`, the bits are the default's. Two steps of DDP on the same batches,
+#   against the default:
 
 # %%
 def ddp_gradients(rank, world_size, as_view, set_to_none=True):
@@ -728,10 +775,12 @@ assert view_differ[3, False] > 0  # x / 3 against x * (1/3): other last bits
 
 
 # %% [markdown]
-# * in float16 the order matters much more: the largest float16 is 65,504, so summing first
-#   overflows to `inf` where dividing first does not, and dividing first turns tiny gradients
-#   into zeros where summing first does not. Here, with real `all_reduce` calls in float16
-#   (notebook 09 goes on from here):
+# * In float16 the order matters much more. The largest float16 is 65,504, so summing first
+#   overflows to `inf` where dividing first does not. Dividing first turns tiny gradients into
+# zeros
+#   where summing first does not. Here with real `all_reduce` calls in float16; notebook 09 goes
+# on
+#   from here:
 
 # %% tags=["nbval-check-output"]
 def fp16_orders(rank, world_size):
@@ -754,13 +803,14 @@ assert orders["sum, then divide"][1] > 0 and orders["divide, then sum"][1] == 0
 # %% [markdown]
 # ## Inside `all_reduce`: a ring of `send` and `recv`
 #
-# How does `all_reduce` sum a tensor over N ranks? The classic algorithm, the **ring**, only
-# ever talks to neighbours: each rank cuts its tensor into N chunks, passes one chunk to the
-# right N-1 times while adding the chunk arriving from the left (*reduce-scatter*), and then
-# passes the finished chunks around N-1 more times (*all-gather*). Real libraries have several:
-# the [documentation](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-algo)
-# of NCCL's `NCCL_ALGO` lists Ring, Tree, CollnetChain, CollnetDirect, NVLS, NVLSTree and PAT,
-# and by default NCCL chooses "based on the node topology and architecture".
+# How does `all_reduce` sum a tensor over N ranks? The classic algorithm, the **ring**, only ever
+# talks to neighbours. Each rank cuts its tensor into N chunks. It passes one chunk to the right
+# N-1
+# times, adding the chunk arriving from the left (*reduce-scatter*). It then passes the finished
+# chunks around N-1 more times (*all-gather*). Real libraries have several algorithms. The
+# [documentation](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-algo) of
+# NCCL's `NCCL_ALGO` lists Ring, Tree, CollnetChain, CollnetDirect, NVLS, NVLSTree and PAT. By
+# default NCCL chooses "based on the node topology and architecture".
 
 # %%
 show(gst.averaging.ring_all_reduce)
@@ -768,9 +818,10 @@ show(gst.averaging.ring_all_reduce)
 
 # %% [markdown]
 # It equals `dist.all_reduce` for any number of ranks and any size, even one the number of ranks
-# does not divide. Integer-valued floats are summed exactly in any order, so there the results
-# must be equal bit for bit; random floats may differ in the last bits, since the ring adds in
-# a different order from gloo's algorithm. Each rank also counts the bytes it sends:
+# does
+# not divide. Integer-valued floats are summed exactly in any order, so there the results must be
+# equal bit for bit. Random floats may differ in the last bits, since the ring adds in a different
+# order from gloo's algorithm. Each rank also counts the bytes it sends:
 
 # %%
 def ring_vs_all_reduce(rank, world_size, size):
@@ -805,20 +856,20 @@ for n, results in ring_rows.items():
 
 
 # %% [markdown]
-# Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×
-# however many ranks there are. Among algorithms in which the ranks do the additions
-# themselves, none can send less: that is why the ring is *bandwidth*-optimal. Hardware that
-# adds in the network changes the count: "NVLS and NVLSTree enable NVLink SHARP offload" (the
-# same NCCL page), and the CollNet algorithms reduce in the network too. The ring's price is
-# 2(N−1) steps, each with its own latency: for small tensors that latency is the cost, which is
-# where this notebook started.
+# Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×. Among
+# algorithms in which the ranks do the additions themselves, none can send less. That is why the
+# ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
+# page says: "NVLS and NVLSTree enable NVLink SHARP offload"; the CollNet algorithms reduce in the
+# network too. The ring's price is 2(N−1) steps, each with its own latency. For small tensors that
+# latency is the cost, which is where this notebook started.
 #
 # ## Copy this into your code
 #
-# Use DDP (notebook 03): it buckets, overlaps, and is tested. If you must average by hand,
-# make **one** call per step, not one per parameter, as `FlatAverager` does. The script
-# `snippets/05_flat_averager.py`, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`, checks it against notebook 02's loop:
+# Use DDP (notebook 03): it buckets, overlaps, and is tested. If you must average by hand, make
+# **one** call per step, not one per parameter, as `FlatAverager` does. The script
+# `snippets/05_flat_averager.py` checks it against notebook 02's loop. The course's tests run it
+# with
+# `torchrun --standalone --nproc-per-node 2`:
 #
 # <!-- snippets/05_flat_averager.py -->
 # ```python
@@ -921,11 +972,11 @@ for n, results in ring_rows.items():
 #
 # ## Exercise
 #
-# Write the overlap of section 4 without buckets: `average_overlapped(model)` registers on every
-# parameter a hook (`p.register_post_accumulate_grad_hook(hook)`) that starts
-# `dist.all_reduce(p.grad, async_op=True)` the moment `p.grad` is final and keeps the handle it
-# returns, and returns a function `finish()` that waits on this step's handles, divides by the
-# world size, and forgets the handles. It is used like this:
+# Write the overlap of section 4 without buckets. `average_overlapped(model)` registers a hook on
+# every parameter (`p.register_post_accumulate_grad_hook(hook)`). The hook starts
+# `dist.all_reduce(p.grad, async_op=True)` the moment `p.grad` is final, and keeps the handle it
+# returns. `average_overlapped` returns a function `finish()`. It waits on this step's handles,
+# divides by the world size, and forgets the handles. It is used like this:
 #
 # ```python
 # finish = average_overlapped(model)  # once, before training
@@ -934,9 +985,11 @@ for n, results in ring_rows.items():
 # optimizer.step()
 # ```
 #
-# The check below runs 2 steps on 2 ranks, then on 3, counts the calls that start during backward (and how
-# many of them are asynchronous), and compares each step's gradients with the mean over ranks.
-# It prints "✓ correct", or fails with what is wrong; until you write the function, it says "not
+# The check below runs 2 steps on 2 ranks, then on 3. It counts the calls that start during
+# backward,
+# and how many of them are asynchronous. It compares each step's gradients with the mean over
+# ranks.
+# It prints "✓ correct", or fails with what is wrong. Until you write the function, it says "not
 # attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.
 
 # %%
@@ -949,8 +1002,9 @@ def average_overlapped(model):
 gst.exercises.check_average_overlapped(average_overlapped)
 
 # %% [markdown]
-# **One more, not checked**: write `RingAverager`, a `gst.averaging.FlatAverager` whose
-# `__call__` uses your own `gst.averaging.ring_all_reduce(self.bucket.buffer)` in place of
-# `dist.all_reduce`. Check on 2 and 3 ranks that one training epoch with it gives DDP's parameters (within 1e-6), then time
-# one call of each on the CNN's gradients, as `time_averaging` does above. The ring makes
+# **One more, not checked**: write `RingAverager`, a `gst.averaging.FlatAverager` whose `__call__`
+# uses your own `gst.averaging.ring_all_reduce(self.bucket.buffer)` in place of `dist.all_reduce`.
+# Check on 2 and 3 ranks that one training epoch with it gives DDP's parameters (within 1e-6).
+# Then
+# time one call of each on the CNN's gradients, as `time_averaging` does above. The ring makes
 # 2(N-1) `send`/`recv` steps per call: how does its time grow from 2 to 4 ranks?
