@@ -6,14 +6,10 @@
 # **Short answer:** call `gst.launch(fn, world_size)`. It runs `fn(rank, world_size)` on 2 or more
 # fresh processes and returns one result per rank. What each rank prints shows below the cell.
 #
-# Every later notebook trains a model on *N ranks*. A **rank** is one of N processes, each with
-# its
-# own copy of the model, talking through `torch.distributed`. The ranks are numbered 0 to N−1; N
-# is
-# the **world size**. On a cluster you start them with `torchrun`. A notebook needs a launcher
-# that
-# runs a function *defined in a cell* on N fresh processes. This notebook shows why the obvious
-# tool
+# Every later notebook trains a model on *N ranks*. A **rank** is one of N processes, each with its
+# own copy of the model, talking through `torch.distributed`. The ranks are numbered 0 to N−1; N is
+# the **world size**. On a cluster you start them with `torchrun`. A notebook needs a launcher that
+# runs a function *defined in a cell* on N fresh processes. This notebook shows why the obvious tool
 # fails, then the one this course uses: `gst.launch`.
 #
 # Each new word is defined where it first appears, in **bold**; the README's
@@ -39,9 +35,9 @@ import gradsync_tutorial as gst
 # ## Why `torch.multiprocessing.spawn` fails here
 #
 # `mp.spawn(fn, nprocs=2)` starts fresh Python interpreters and sends them `fn` with `pickle`.
-# Pickle stores a function **by name** (`__main__.hello`), and the child looks that name up
-# again. A function defined in a notebook cell lives only inside the kernel, so the child cannot
-# find it and dies:
+# Pickle stores a function **by name** (`__main__.hello`), and the child looks that name up again. A
+# function defined in a notebook cell lives only inside the kernel, so the child cannot find it and
+# dies:
 
 # %%
 def hello(rank, world_size):
@@ -65,8 +61,8 @@ finally:
 assert spawn_failed
 
 # %% [markdown]
-# Once one child has died, `spawn` stops the other, and torch may log a warning that it did so
-# (`via signal SIGTERM`). The last line each child wrote is the cause:
+# Once one child has died, `spawn` stops the other, and torch may log a warning that it did so (`via
+# signal SIGTERM`). The last line each child wrote is the cause:
 
 # %% tags=["nbval-check-output"]
 children_stderr.seek(0)
@@ -77,12 +73,10 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 
 
 # %% [markdown]
-# `fork` would avoid pickling: the child is a copy of the kernel, cells included. But a forked
-# child
+# `fork` would avoid pickling: the child is a copy of the kernel, cells included. But a forked child
 # cannot use CUDA once the parent has initialized it. Torch's own error says so: "Cannot
-# re-initialize
-# CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the 'spawn' start
-# method".
+# re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the
+# 'spawn' start method".
 #
 # Accelerate's `notebook_launcher` forks all the same:
 # `start_processes(..., start_method="fork")` in
@@ -97,29 +91,24 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # ## `gst.launch`: fresh processes, the function sent by value
 #
 # `gst.launch(fn, world_size)` starts `world_size` fresh interpreters. It sends them `fn` **by
-# value**,
-# with `cloudpickle`, so cells, lambdas and closures work. In each one it:
+# value**, with `cloudpickle`, so cells, lambdas and closures work. In each one it:
 #
 # 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
 #    `MASTER_PORT`, ...);
 # 2. calls `dist.init_process_group()`, which creates the **process group**;
 # 3. runs `fn(rank, world_size)`, and sends back its return value.
 #
-# The process group is the set of ranks that communicate together, and the connections between
-# them. Its **backend** is the library that moves the tensors. It is gloo on CPUs, and nccl when
-# there is one NVIDIA GPU per rank. This machine's backend is printed further down; every
-# committed
-# output of the course ran on gloo.
+# The process group is the set of ranks that communicate together, and the connections between them.
+# Its **backend** is the library that moves the tensors. It is gloo on CPUs, and nccl when there is
+# one NVIDIA GPU per rank. This machine's backend is printed further down; every committed output of
+# the course ran on gloo.
 #
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the "hello world"
-# of
-# distributed training: every rank contributes a number, and **every rank receives the sum**.
+# of distributed training: every rank contributes a number, and **every rank receives the sum**.
 # `all_reduce` is a **collective**: an operation that every rank of the group must call, each with
-# its own tensor. With gloo it returns when all of them have called it. With nccl the call is
-# queued
-# on the GPU and returns at once. The tensor lives on the rank's device, `gst.local_device()`.
-# That is
-# the CPU here, and GPU `LOCAL_RANK` under nccl, which refuses CPU tensors.
+# its own tensor. With gloo it returns when all of them have called it. With nccl the call is queued
+# on the GPU and returns at once. The tensor lives on the rank's device, `gst.local_device()`. That
+# is the CPU here, and GPU `LOCAL_RANK` under nccl, which refuses CPU tensors.
 
 # %%
 def hello_allreduce(rank, world_size):
@@ -153,9 +142,8 @@ assert results4 == [10.0] * 4
 # ## Each rank sees what `torchrun` would give it
 #
 # Code written in a cell moves to a `torchrun` script unchanged. The reason: the worker's
-# environment
-# is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**, where the ranks find each
-# other when the job starts. They are the same for every rank:
+# environment is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**, where the ranks
+# find each other when the job starts. They are the same for every rank:
 
 # %%
 def environment(rank, world_size):
@@ -202,12 +190,11 @@ except gst.RankFailedError as err:
 
 
 # %% [markdown]
-# A **hang** is the other classic failure: one rank waits in a collective that another rank
-# never calls. `launch` stops every rank and raises, naming the stuck ranks and where each one
-# waited. It acts as soon as a rank waits in a collective that another rank returned from without
-# calling. Such a wait can never finish, so `launch` stops it a few seconds later. Otherwise it
-# stops
-# at its wall-clock `timeout`, 300 s by default. The check below asserts both numbers:
+# A **hang** is the other classic failure: one rank waits in a collective that another rank never
+# calls. `launch` stops every rank and raises, naming the stuck ranks and where each one waited. It
+# acts as soon as a rank waits in a collective that another rank returned from without calling. Such
+# a wait can never finish, so `launch` stops it a few seconds later. Otherwise it stops at its
+# wall-clock `timeout`, 300 s by default. The check below asserts both numbers:
 
 # %%
 def skips_a_collective(rank, world_size):
@@ -244,18 +231,15 @@ except gst.LaunchTimeoutError as err:
 # %% [markdown]
 # ## Exercise
 #
-# Write `gather_ranks(rank, world_size)` so that **every rank returns the list
-# `[0, 1, ..., world_size - 1]`**. Each rank knows only its own number, so it must learn the
-# others.
+# Write `gather_ranks(rank, world_size)` so that **every rank returns the list `[0, 1, ...,
+# world_size - 1]`**. Each rank knows only its own number, so it must learn the others.
 # `dist.all_gather(tensor_list, tensor)` fills `tensor_list[i]` with rank `i`'s `tensor`, on every
 # rank. `tensor_list` must hold one tensor per rank, each of the same shape and dtype as `tensor`.
 #
 # Replace the `raise` line with your code and run the cell, then run the check below it. The check
-# runs
-# your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong. Until
-# you
-# write it, it says "not attempted yet". Stuck? `%load solutions/00_gather_ranks.py` in a new cell
-# loads a solution.
+# runs your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong.
+# Until you write it, it says "not attempted yet". Stuck? `%load solutions/00_gather_ranks.py` in a
+# new cell loads a solution.
 
 # %%
 def gather_ranks(rank, world_size):

@@ -4,11 +4,9 @@
 # **Question: what result should distributed training reproduce?**
 #
 # **Short answer:** train once on one device, and keep that run. It uses a global batch of 256
-# samples
-# per step; a correct distributed run reproduces it.
+# samples per step; a correct distributed run reproduces it.
 #
-# Before we split training across processes, we train once on a single device. Every later
-# notebook
+# Before we split training across processes, we train once on a single device. Every later notebook
 # compares against this reference run. It has the same model, the same data order, the same global
 # batch and the same optimizer. Words such as *rank* and *world size* are defined in the
 # [glossary](../README.md#glossary).
@@ -39,9 +37,8 @@ torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, Fals
 #
 # The data set is Fashion-MNIST: 28×28 grey images of clothes in 10 classes. It is a drop-in
 # replacement for MNIST that is harder to fit, so the loss curves say more. `gst.data.load()`
-# returns
-# the whole set as two normalized tensors in memory. It fetches the files the first time (see the
-# README).
+# returns the whole set as two normalized tensors in memory. It fetches the files the first time
+# (see the README).
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -50,8 +47,8 @@ print(f"train {tuple(images[:N_TRAIN].shape)}, test {tuple(test_images.shape)}, 
       f"classes {labels.unique().numel()}")
 
 # %% [markdown]
-# The model is the small CNN of PyTorch's "Writing Distributed Applications" tutorial:
-# two convolutions, dropout, two linear layers (`gst.model.Net`).
+# The model is the small CNN of PyTorch's "Writing Distributed Applications" tutorial: two
+# convolutions, dropout, two linear layers (`gst.model.Net`).
 
 # %% tags=["nbval-check-output"]
 torch.manual_seed(SEED)
@@ -63,8 +60,7 @@ print("parameters:", sum(p.numel() for p in gst.model.Net().parameters()))
 # ## The training loop
 #
 # Notebooks 02 and 03 keep this function's names and order, and change only the lines they teach.
-# One detail matters for them: the **data order** comes from a generator seeded with `SEED +
-# epoch`.
+# One detail matters for them: the **data order** comes from a generator seeded with `SEED + epoch`.
 # So any process can recompute it. Each step takes the next 256 indices of that order. This is how
 # `DistributedSampler` shuffles too, as notebook 03 shows.
 #
@@ -105,8 +101,7 @@ def accuracy(state, images, labels):
 
 # %% [markdown]
 # Train on one device: a GPU if there is one, else the CPU. How long it takes depends on the
-# machine;
-# `make doctor` prints this machine's time for one epoch.
+# machine; `make doctor` prints this machine's time for one epoch.
 
 # %%
 baseline = train(EPOCHS)
@@ -135,11 +130,10 @@ fig = gst.plots.plot_loss_curves({"single device": losses}, title="Single-device
 # ## Reproducible, so comparable
 #
 # The same seed gives the same run, step for step. That lets the next notebooks compare a
-# distributed
-# run with this one, number by number. Train one epoch again: its losses are the baseline's first
-# epoch, bit for bit. On a GPU this needs deterministic kernels, which the first cell asks cuDNN
-# for. It is expected to hold there, but has not yet run on a GPU. Torch lists `NLLLoss` on CUDA
-# among its nondeterministic operations.
+# distributed run with this one, number by number. Train one epoch again: its losses are the
+# baseline's first epoch, bit for bit. On a GPU this needs deterministic kernels, which the first
+# cell asks cuDNN for. It is expected to hold there, but has not yet run on a GPU. Torch lists
+# `NLLLoss` on CUDA among its nondeterministic operations.
 
 # %% tags=["nbval-check-output"]
 again = train(1)
@@ -151,26 +145,21 @@ assert again["losses"] == losses[:steps_per_epoch]
 # ## Copy this into your code
 #
 # * Seed the initial weights (`torch.manual_seed`). Derive the data order from a seed plus the
-#   epoch.
-#   Distributed training needs every rank to agree on both.
+#   epoch. Distributed training needs every rank to agree on both.
 # * Keep a single-process run of your model as the reference for any distributed change.
 
 # %% [markdown]
 # ## Exercise: a batch too large for memory
 #
-# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation**
-# takes
+# With a large model, a batch of 256 may not fit in a GPU's memory. **Gradient accumulation** takes
 # the same optimizer step in pieces. Split the batch into `micro_batches` equal micro-batches and
 # call `backward()` on each. `backward()` *adds* into `.grad`, so the pieces' gradients add up.
-# Scale
-# each micro-batch's loss so that the sum is the gradient of the whole batch's mean loss.
+# Scale each micro-batch's loss so that the sum is the gradient of the whole batch's mean loss.
 #
 # Write `accumulate_gradients(model, images, labels, micro_batches)`. The caller zeroes the
-# gradients
-# before and steps the optimizer after. Your function leaves in `.grad` the gradient of
-# `F.nll_loss`
-# over the whole batch, computed one micro-batch at a time. It returns that mean loss as a float,
-# for logging:
+# gradients before and steps the optimizer after. Your function leaves in `.grad` the gradient of
+# `F.nll_loss` over the whole batch, computed one micro-batch at a time. It returns that mean loss
+# as a float, for logging:
 #
 # ```python
 # optimizer.zero_grad()
@@ -178,12 +167,10 @@ assert again["losses"] == losses[:steps_per_epoch]
 # optimizer.step()
 # ```
 #
-# Notebook 02 does the same across processes: each rank computes one slice's gradient, and the
-# ranks
+# Notebook 02 does the same across processes: each rank computes one slice's gradient, and the ranks
 # add them up. The check below compares your gradient with one `backward()` on the whole batch
 # (dropout off). It prints "✓ correct", or fails with what is wrong. Until you write it, it says
-# "not
-# attempted yet". Stuck? `%load solutions/01_accumulate_gradients.py` in a new cell.
+# "not attempted yet". Stuck? `%load solutions/01_accumulate_gradients.py` in a new cell.
 
 # %%
 def accumulate_gradients(model, images, labels, micro_batches):

@@ -11,8 +11,7 @@
 #         param.grad.data /= size
 # ```
 #
-# This is the classic code from PyTorch's "Writing Distributed Applications" tutorial. Two
-# processes
+# This is the classic code from PyTorch's "Writing Distributed Applications" tutorial. Two processes
 # each build their own `model = Net()`, and the function seems to touch only the local model's
 # gradients. A popular answer says to drop the division. Who is right?
 #
@@ -22,14 +21,11 @@
 # building the model.
 #
 # `all_reduce` is a *collective* (see the [glossary](../README.md#glossary)). Every rank calls it
-# with
-# its own tensor, and every rank receives the sum of all of them, in place. Dividing by the number
-# of
-# ranks turns the sum into the mean. So every replica takes the same step and, having started
-# equal,
-# stays equal. Dropping the division multiplies SGD's learning rate by the number of ranks. Adam
-# hides it, except for gradient clipping and Adam's own `weight_decay`. The rest of this notebook
-# measures each of these sentences.
+# with its own tensor, and every rank receives the sum of all of them, in place. Dividing by the
+# number of ranks turns the sum into the mean. So every replica takes the same step and, having
+# started equal, stays equal. Dropping the division multiplies SGD's learning rate by the number of
+# ranks. Adam hides it, except for gradient clipping and Adam's own `weight_decay`. The rest of this
+# notebook measures each of these sentences.
 
 # %%
 import os
@@ -68,13 +64,11 @@ torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, Fals
 #
 # ![all_reduce: every rank contributes its gradient, every rank receives the sum](../images/allreduce.png)
 #
-# Each rank (process) holds a full **replica** of the model. It computes gradients on its own
-# slice
+# Each rank (process) holds a full **replica** of the model. It computes gradients on its own slice
 # of the batch. `dist.all_reduce(t, op=SUM)` is called by *every* rank with *its own* `t`. When it
 # returns, each rank's `t` holds the element-wise sum over all ranks. So after the loop every
-# replica
-# holds the same, averaged gradient. Every optimizer takes the same step, and the replicas stay
-# identical. Nothing is "only local": the call is the communication.
+# replica holds the same, averaged gradient. Every optimizer takes the same step, and the replicas
+# stay identical. Nothing is "only local": the call is the communication.
 #
 # The rest of the course uses today's spelling. `dist.ReduceOp.SUM` replaces `reduce_op`, its
 # deprecated old name. There is no `.data`, since the gradient is not part of any autograd graph.
@@ -112,10 +106,9 @@ print("every rank received", expected.tolist())
 # ## Your question, on the real model
 #
 # Each rank builds its own `Net()`, computes the gradient of *its* slice of a batch, then calls
-# `average_gradients`. Here is `fc2.bias.grad` (the first 4 of its 10 values) on every rank,
-# right after `backward()` and right after `average_gradients`. The ranks hold no shared memory:
-# the gradients move only through `all_reduce`. Dropout is off (`eval()`), so nothing random
-# differs.
+# `average_gradients`. Here is `fc2.bias.grad` (the first 4 of its 10 values) on every rank, right
+# after `backward()` and right after `average_gradients`. The ranks hold no shared memory: the
+# gradients move only through `all_reduce`. Dropout is off (`eval()`), so nothing random differs.
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -148,14 +141,11 @@ for rank, p in enumerate(probe):
           f"after average_gradients {show(p['after']['fc2.bias'])}")
 
 # %% [markdown]
-# Checked for every parameter, not only `fc2.bias`. After `backward()` the ranks' gradients
-# differ,
-# since each rank saw other samples. After `average_gradients` they are identical on every rank,
-# bit
+# Checked for every parameter, not only `fc2.bias`. After `backward()` the ranks' gradients differ,
+# since each rank saw other samples. After `average_gradients` they are identical on every rank, bit
 # for bit. They equal the mean of the gradients before. And that mean equals the gradient one
-# process
-# computes on the whole batch of 256, up to float rounding. On GPUs too, every rank gets the same
-# bits: NCCL sends every rank the same finished sum.
+# process computes on the whole batch of 256, up to float rounding. On GPUs too, every rank gets the
+# same bits: NCCL sends every rank the same finished sum.
 
 # %%
 before_gap = gst.checks.compare_ranks([p["before"] for p in probe], show=False)
@@ -174,8 +164,8 @@ assert vs_mean <= 1e-7 and vs_whole <= 1e-6
 # %% [markdown]
 # ### The question's code, as written
 #
-# The code in the question, character for character, with its deprecated `dist.reduce_op`,
-# its `.data` and its float world size, on the same batch:
+# The code in the question, character for character, with its deprecated `dist.reduce_op`, its
+# `.data` and its float world size, on the same batch:
 
 # %%
 def average_gradients_as_asked(model):  # the question's code, verbatim
@@ -215,13 +205,11 @@ assert any("reduce_op" in w and "deprecated" in w for w in as_asked[0]["warnings
 # style and of future versions, not of correctness.
 #
 # **The precondition: the replicas start identical.** Averaging makes the *gradients* equal; the
-# *weights* stay equal only if they start equal. Above,
-# every rank seeded the same generator before `Net()`, so the initial weights agree. A common slip
-# is to seed each rank differently, with the rank. The replicas then differ from the start. They
-# go
-# on differing, since each applies the same averaged step to other weights (notebook 04 measures
-# it). Notebook 03 shows the usual cure: DDP, or a `dist.broadcast` from rank 0, copies rank 0's
-# weights to every rank.
+# *weights* stay equal only if they start equal. Above, every rank seeded the same generator before
+# `Net()`, so the initial weights agree. A common slip is to seed each rank differently, with the
+# rank. The replicas then differ from the start. They go on differing, since each applies the same
+# averaged step to other weights (notebook 04 measures it). Notebook 03 shows the usual cure: DDP,
+# or a `dist.broadcast` from rank 0, copies rank 0's weights to every rank.
 
 # %%
 same_start = gst.checks.compare_ranks([p["weights"] for p in probe], show=False)
@@ -239,12 +227,9 @@ assert same_start == 0.0 and seeded_apart > 0.1
 # ## Training on N ranks
 #
 # The whole training loop, as each rank runs it. Here is what changed since notebook 01's `train`,
-# read from both notebooks. The signature takes
-# the
-# rank and the world size. Each rank takes its **shard**: every N-th index of the shared, seeded
-# data
-# order, in batches of 256/N. And `average(model)`, by default `average_gradients`, runs between
-# `backward()` and `step()`.
+# read from both notebooks. The signature takes the rank and the world size. Each rank takes its
+# **shard**: every N-th index of the shared, seeded data order, in batches of 256/N. And
+# `average(model)`, by default `average_gradients`, runs between `backward()` and `step()`.
 
 # %% tags=["training-loop"]
 def train(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32,
@@ -320,20 +305,18 @@ fig = gst.plots.plot_loss_curves(
 # %% [markdown]
 # ## The whole run: N ranks = one process
 #
-# One step matched above. Does the whole run? Two things differ between an N-rank run and the
-# single process, and neither is the averaging:
+# One step matched above. Does the whole run? Two things differ between an N-rank run and the single
+# process, and neither is the averaging:
 #
 # * **Dropout.** Every rank seeds the same generator, so rank 1 draws the same masks for its 128
 #   samples as rank 0 for its own. One process draws 256 different masks, so the runs train
-#   different sub-networks. `dropout=False` turns dropout off. This notebook keeps one seed for
-# the
+#   different sub-networks. `dropout=False` turns dropout off. This notebook keeps one seed for the
 #   equalities. The scripts (and snippet 06) seed `SEED + rank` after building the model, so that
 #   each rank draws its own masks.
-# * **Rounding.** Float addition is not associative. A batch of 256 is summed in another order
-#   than
+# * **Rounding.** Float addition is not associative. A batch of 256 is summed in another order than
 #   two of 128; the step above showed that difference after one step. Training carries such
-#   differences into every later step. `dtype=torch.float64` makes each rounding error 2^29 (about
-#   5 × 10^8) times smaller. That is the ratio of float32's machine epsilon to float64's, printed
+#   differences into every later step. `dtype=torch.float64` makes each rounding error 2^29 (about 5
+#   × 10^8) times smaller. That is the ratio of float32's machine epsilon to float64's, printed
 #   below.
 #
 # Both switches on, the whole run (`EPOCHS` epochs) on 2 and on 4 ranks is compared with notebook
@@ -357,12 +340,10 @@ for n, runs in ranks.items():
     assert gap <= 1e-14  # a few units of float64's last bit
 
 # %% [markdown]
-# The mean of the ranks' losses is the single process's loss at every step. (Each rank's loss is
-# the
+# The mean of the ranks' losses is the single process's loss at every step. (Each rank's loss is the
 # mean over an equal share of the batch.) On the left, the float64 curves coincide. On the right,
 # how far apart they are, step by step, in float64 and in float32. A difference of exactly 0 is
-# drawn
-# at 1e-18, along the bottom:
+# drawn at 1e-18, along the bottom:
 
 # %%
 def mean_over_ranks(runs):
@@ -417,10 +398,8 @@ assert 0 < rounding < with_dropout
 # ## The popular answer: all_reduce without dividing
 #
 # Without the division every rank holds the **sum** of the gradients, N times the mean. For plain
-# SGD
-# (momentum included) that is the correct average with the learning rate multiplied by N. Run
-# both,
-# one epoch on the same ranks:
+# SGD (momentum included) that is the correct average with the learning rate multiplied by N. Run
+# both, one epoch on the same ranks:
 
 # %%
 def sum_gradients(model):  # the popular answer: no division
@@ -441,10 +420,8 @@ assert diff <= 1e-6
 
 # %% [markdown]
 # In the plot, the no-division curve (dashed) lies exactly on the curve of averaging at `lr × N`.
-# That run learns faster than the lesson's only because `lr=0.01` is small for this model. A
-# bigger
-# learning rate helps, for now. The next section shows what the bug does to a learning rate that
-# is
+# That run learns faster than the lesson's only because `lr=0.01` is small for this model. A bigger
+# learning rate helps, for now. The next section shows what the bug does to a learning rate that is
 # already good.
 
 # %%
@@ -459,13 +436,11 @@ fig = gst.plots.plot_loss_curves(
 # ### The harm: the learning rate now depends on the number of GPUs
 #
 # You choose a learning rate for your setup. The bug multiplies it by however many GPUs the job
-# gets.
-# Take a learning rate that works better than the lesson's on one process, then move to 8 GPUs
+# gets. Take a learning rate that works better than the lesson's on one process, then move to 8 GPUs
 # without the division.
 #
 # No 8 ranks are needed to see it. On N equal shards, the sum of the ranks' mean gradients is N
-# times the whole batch's mean gradient. So one process that multiplies its gradient by 8 takes
-# the
+# times the whole batch's mean gradient. So one process that multiplies its gradient by 8 takes the
 # step of 8 ranks without the division. First that emulation, checked against a real `all_reduce`
 # sum on 4 ranks (one step):
 
@@ -484,8 +459,8 @@ assert gap <= 1e-6
 
 # %% [markdown]
 # Now train the first `STEPS` steps with `lr=0.1`, ten times the lesson's. First on one process,
-# then with the popular answer on 8 ranks, emulated. With the division, 8 ranks take the
-# one-process steps, up to rounding and dropout.
+# then with the popular answer on 8 ranks, emulated. With the division, 8 ranks take the one-process
+# steps, up to rounding and dropout.
 
 # %%
 STEPS = 50  # optimizer steps (12,800 samples), in the short run too
@@ -536,10 +511,8 @@ assert tail(eight) > tail(one) + 0.2  # and the popular answer on 8 GPUs slows i
 # %% [markdown]
 # ### When no division is right
 #
-# Each rank's loss may already be divided by the **global** number of samples. That is its sum
-# over
-# its own samples, divided by 256 (notebook 04's mean-of-means pitfall). The sum over ranks is
-# then
+# Each rank's loss may already be divided by the **global** number of samples. That is its sum over
+# its own samples, divided by 256 (notebook 04's mean-of-means pitfall). The sum over ranks is then
 # already the mean, and `all_reduce` without dividing is right. Checked on one step:
 
 # %%
@@ -553,15 +526,13 @@ assert gap <= 1e-6
 # %% [markdown]
 # ### Where "lr × N" is not the whole story
 #
-# The equivalence holds for the gradient alone. Anything the optimizer adds or measures after
-# the averaging sees the difference:
+# The equivalence holds for the gradient alone. Anything the optimizer adds or measures after the
+# averaging sees the difference:
 #
 # * **Weight decay.** `SGD(weight_decay=wd)` adds `wd * param` to the gradient inside `step()`,
-#   after your averaging, so it is not multiplied by N. No division at `lr` thus equals averaging
-# at
+#   after your averaging, so it is not multiplied by N. No division at `lr` thus equals averaging at
 #   `lr × N` with `wd / N`, not with `wd`.
-# * **Gradient clipping.** `clip_grad_norm_` sees a gradient norm N times larger, so it clips
-#   more.
+# * **Gradient clipping.** `clip_grad_norm_` sees a gradient norm N times larger, so it clips more.
 #   No division with `max_norm` equals averaging at `lr × N` with `max_norm / N`.
 #
 # Measured over the first `SHORT` steps on the ranks, against the averaged run at `lr × N`:
@@ -595,10 +566,8 @@ assert vs(clipped, "no division", "average, max_norm") > 1e-4
 assert vs(clipped, "no division", "average, max_norm / N") <= 1e-5  # see below
 
 # %% [markdown]
-# With `max_norm / N` the runs agree closely (printed above), but not bit for bit. The reason is
-# in
-# `clip_grad_norm_`'s own code. It scales by `max_norm / (total_norm + 1e-6)`, and that 1e-6 is
-# not
+# With `max_norm / N` the runs agree closely (printed above), but not bit for bit. The reason is in
+# `clip_grad_norm_`'s own code. It scales by `max_norm / (total_norm + 1e-6)`, and that 1e-6 is not
 # multiplied by N:
 
 # %%
@@ -614,21 +583,17 @@ assert "max_norm / (total_norm + 1e-6)" in clip_code
 #
 # Adam divides each update by a running estimate of the gradient's magnitude. So multiplying every
 # gradient by N almost cancels. The update is $m / (\sqrt{v} + \epsilon)$. With gradients N times
-# larger it becomes $N m / (N \sqrt{v} + \epsilon) = m / (\sqrt{v} + \epsilon / N)$. Only
-# $\epsilon$
-# differs: the bug equals correct averaging with $\epsilon / N$. And $\epsilon$ (1e-8) is tiny
-# next
+# larger it becomes $N m / (N \sqrt{v} + \epsilon) = m / (\sqrt{v} + \epsilon / N)$. Only $\epsilon$
+# differs: the bug equals correct averaging with $\epsilon / N$. And $\epsilon$ (1e-8) is tiny next
 # to $\sqrt{v}$, so the runs barely differ. Two things common with Adam see the gradient before
 # Adam's division, as in SGD:
 #
-# * **`clip_grad_norm_`** sees the N times larger norm. No division with `max_norm` equals
-#   averaging
+# * **`clip_grad_norm_`** sees the N times larger norm. No division with `max_norm` equals averaging
 #   with `max_norm / N` (and $\epsilon / N$).
-# * **Adam's `weight_decay`** is an L2 term added to the gradient before the moments:
-#   `grad + wd * param`. With an N times larger gradient it weighs N times less. So no division
-#   equals averaging with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly,
-# apart
-#   from the gradient, so its decay is unaffected.
+# * **Adam's `weight_decay`** is an L2 term added to the gradient before the moments: `grad + wd *
+#   param`. With an N times larger gradient it weighs N times less. So no division equals averaging
+#   with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly, apart from the
+#   gradient, so its decay is unaffected.
 #
 # Measured over the first `SHORT` steps on the ranks:
 
@@ -688,23 +653,20 @@ equivalent = adam_gaps["clip_grad_norm_", "average, eps / N, max_norm / N"]
 assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see below
 
 # %% [markdown]
-# With clipping, "equal" means equal up to `clip_grad_norm_`'s `1e-6` (above). Training carries
-# that
+# With clipping, "equal" means equal up to `clip_grad_norm_`'s `1e-6` (above). Training carries that
 # difference on, as it carries any rounding. The difference printed for `max_norm / N` stays far
 # below the one with `max_norm` unscaled, but is not 0.
 #
-# **If you use Adam**: keep the division too. Without it, `clip_grad_norm_(max_norm)` clips as if
-# at
+# **If you use Adam**: keep the division too. Without it, `clip_grad_norm_(max_norm)` clips as if at
 # `max_norm / N`. `Adam(weight_decay=wd)` decays as if with `wd / N`. Only the plain update, and
 # `AdamW`'s decay, hide the bug.
 
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`. Copy `average_gradients` and the three lines that
-# call
-# it. The rest checks, on every rank, that the averaged gradient is the one of the whole batch.
+# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with `torchrun
+# --standalone --nproc-per-node 2`. Copy `average_gradients` and the three lines that call it. The
+# rest checks, on every rank, that the averaged gradient is the one of the whole batch.
 #
 # <!-- snippets/02_average_gradients.py -->
 # ```python
@@ -782,26 +744,22 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #     main()
 # ```
 #
-# Start every rank from the same weights: the same seed, or a broadcast from rank 0. Give each
-# rank a
-# different shard of every batch. Notebook 03 gets all of this from `DistributedDataParallel`.
+# Start every rank from the same weights: the same seed, or a broadcast from rank 0. Give each rank
+# a different shard of every batch. Notebook 03 gets all of this from `DistributedDataParallel`.
 # Notebook 05 shows why 8 small `all_reduce` calls per step are slow.
 
 # %% [markdown]
 # ## Exercise
 #
 # Write `average_gradients_flat(model)` that makes **one** `all_reduce` call per step, instead of
-# one
-# per parameter. Flatten all gradients into one tensor (`torch.cat([p.grad.flatten() ...])`),
-# reduce
-# it, and divide. Then copy the pieces back into each `p.grad`, since `torch.cat` makes a copy.
+# one per parameter. Flatten all gradients into one tensor (`torch.cat([p.grad.flatten() ...])`),
+# reduce it, and divide. Then copy the pieces back into each `p.grad`, since `torch.cat` makes a
+# copy.
 #
-# The check below runs it on 2 ranks, then on 3, each with its own gradients. It compares the
-# result
-# with the mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails
-# with
-# what is wrong. Until you write the function, it says "not attempted yet". Stuck?
-# `%load solutions/02_average_gradients_flat.py` in a new cell.
+# The check below runs it on 2 ranks, then on 3, each with its own gradients. It compares the result
+# with the mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails with
+# what is wrong. Until you write the function, it says "not attempted yet". Stuck? `%load
+# solutions/02_average_gradients_flat.py` in a new cell.
 
 # %%
 def average_gradients_flat(model):

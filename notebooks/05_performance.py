@@ -1,28 +1,25 @@
 # %% [markdown]
 # # 05 — What makes DDP fast, and what a CPU shows of it
 #
-# **Question: `DistributedDataParallel` averages the same gradients as notebook 02's loop
-# (notebook 03). What does it do differently to be fast, and which of it pays off where?**
+# **Question: `DistributedDataParallel` averages the same gradients as notebook 02's loop (notebook
+# 03). What does it do differently to be fast, and which of it pays off where?**
 #
 # **Short answer:** send all the gradients in one call, not one call per parameter. On this CPU,
 # notebook 02's 8 calls a step take several times the time of one; the ratio is printed below.
 # Overlap with backward pays only where something else moves the bytes, as on GPUs.
 #
 # Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP is
-# built
-# on three ideas:
+# built on three ideas:
 #
 # 1. **Flat**: a call costs time of its own, its latency, besides the time its bytes take. So send
 #    all gradients in *one* flat buffer instead of 8, or hundreds of, small tensors.
 # 2. **Buckets**: cut that buffer into buckets of about 25 MiB, in the order backward produces
 #    gradients.
 # 3. **Overlap**: start each bucket's `all_reduce` **while backward is still running**. Wait for
-#    them
-#    at the end of `backward()`; our own version below waits in its `average()`.
+#    them at the end of `backward()`; our own version below waits in its `average()`.
 #
 # We build each idea in turn, prove that it gives DDP's result, and time it on this machine, a CPU
-# with gloo. The code lives in `gst.averaging` (`gradsync_tutorial/averaging.py`), so this
-# notebook,
+# with gloo. The code lives in `gst.averaging` (`gradsync_tutorial/averaging.py`), so this notebook,
 # the benchmark and the tests run the same code.
 #
 # What it shows: idea 1 pays off here, where the steps are short. Per-parameter averaging pays 8
@@ -81,10 +78,9 @@ def show(obj):
 # ## Where the time goes: latency, then bandwidth
 #
 # Time one `all_reduce` of n floats, for n from 1 to millions. The usual model of a collective is
-# **time ≈ α + β · bytes**. The *latency* α is what a call costs whatever its size: starting it,
-# and the ranks' messages
-# finding each other. The time per byte β is the inverse of the bandwidth. Below some size α
-# dominates; above it, β · bytes does.
+# **time ≈ α + β · bytes**. The *latency* α is what a call costs whatever its size: starting it, and
+# the ranks' messages finding each other. The time per byte β is the inverse of the bandwidth. Below
+# some size α dominates; above it, β · bytes does.
 
 # %%
 def time_all_reduce(rank, world_size, sizes):
@@ -116,8 +112,7 @@ for n, t in ms.items():
 # %% [markdown]
 # We estimate α and β from the two ends of these times. The latency α is the median time of the
 # calls of at most 1,000 floats, whose bytes cost next to nothing. The time per byte β comes from
-# the
-# two largest calls, where the bytes are nearly all of it. Then how far each measurement is from
+# the two largest calls, where the bytes are nearly all of it. Then how far each measurement is from
 # the model:
 
 # %%
@@ -134,11 +129,10 @@ for n, measured, modelled in zip(ms, t.tolist(), model_ms.tolist(), strict=True)
 
 # %% [markdown]
 # How to read it: the model is a first approximation. For the large calls, measured / model shows
-# how well one straight line (one bandwidth) fits them. The small calls scatter around α, from
-# call to call and from run to run (each is a round trip between two processes). Below the
-# crossover printed on the first line, most of a call's time is not spent moving
-# bytes. The course's CNN has 21,840 parameters in 8 tensors; the largest, `fc1.weight`, holds
-# 16,000 floats:
+# how well one straight line (one bandwidth) fits them. The small calls scatter around α, from call
+# to call and from run to run (each is a round trip between two processes). Below the crossover
+# printed on the first line, most of a call's time is not spent moving bytes. The course's CNN has
+# 21,840 parameters in 8 tensors; the largest, `fc1.weight`, holds 16,000 floats:
 
 # %%
 net = gst.model.Net()
@@ -195,8 +189,8 @@ assert calls == {"per-parameter": 8, "flat": 1}  # the same bytes, in 8 calls or
 assert averaging_ms["per-parameter"] > 2 * averaging_ms["flat"]  # 7 more latencies a step
 
 # %% [markdown]
-# The ratio can exceed the 8 calls: each call costs more than the bare round trip α measured
-# above. It also pays Python, torch's dispatch and its own division by N:
+# The ratio can exceed the 8 calls: each call costs more than the bare round trip α measured above.
+# It also pays Python, torch's dispatch and its own division by N:
 
 # %%
 per_call = averaging_ms["per-parameter"] / calls["per-parameter"]
@@ -215,8 +209,8 @@ show(gst.averaging.average_per_parameter)
 # ## 2. One flat buffer
 #
 # Copy every gradient into one buffer, reduce it in one call, and copy each piece back into its
-# `.grad`, divided by N. A `Bucket` holds the buffer and, for each parameter, a view of its
-# slot (`split` + `view_as`), so that both copies are plain `copy_` calls:
+# `.grad`, divided by N. A `Bucket` holds the buffer and, for each parameter, a view of its slot
+# (`split` + `view_as`), so that both copies are plain `copy_` calls:
 
 # %%
 show(gst.averaging.Bucket)
@@ -225,11 +219,9 @@ show(gst.averaging.Bucket)
 show(gst.averaging.FlatAverager)
 
 # %% [markdown]
-# Why keep the buffer instead of a fresh `torch.cat(...)` every step? On the CPU, for a large
-# model,
+# Why keep the buffer instead of a fresh `torch.cat(...)` every step? On the CPU, for a large model,
 # the fresh buffer is memory new to the process. Each of its pages faults and is zeroed on first
-# touch, which can cost more than the copy itself. Here for 40 MB, the gradients of a
-# 10M-parameter
+# touch, which can cost more than the copy itself. Here for 40 MB, the gradients of a 10M-parameter
 # model. The operating system counts the page faults; a count does not depend on how busy the
 # machine is. The times show what they cost here.
 #
@@ -291,8 +283,8 @@ show(gst.averaging.make_buckets)
 show(gst.averaging.BucketedAverager)
 
 # %% [markdown]
-# At the default 25 MiB the whole CNN (85 KiB of gradients) is one bucket. To see several
-# buckets on this small model, we use a tiny cap of 0.015 MiB (15.4 KiB) from here on:
+# At the default 25 MiB the whole CNN (85 KiB of gradients) is one bucket. To see several buckets on
+# this small model, we use a tiny cap of 0.015 MiB (15.4 KiB) from here on:
 
 # %% tags=["nbval-check-output"]
 BUCKET_CAP_MB = 0.015
@@ -306,14 +298,13 @@ assert [names[p] for p in buckets[0]] == ["fc2.bias", "fc2.weight", "fc1.bias", 
 
 
 # %% [markdown]
-# DDP's own buckets follow this rule with two differences, which a communication hook (see
-# "DDP's knobs") lets us watch bucket by bucket:
+# DDP's own buckets follow this rule with two differences, which a communication hook (see "DDP's
+# knobs") lets us watch bucket by bucket:
 #
 # * In the **first iteration**, DDP puts every parameter in **one** bucket. After it, DDP
 #   **rebuilds** the buckets in the order the gradients really arrived, and keeps them.
 # * With `bucket_cap_mb` left at its default, the rebuilt **first bucket** is capped at **1 MiB**
-#   (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`). It holds the gradients that arrive first,
-# so
+#   (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`). It holds the gradients that arrive first, so
 #   that communication starts early. The other buckets hold 25 MiB. Passing `bucket_cap_mb=25`
 #   explicitly caps every bucket at 25 MiB.
 #
@@ -359,19 +350,16 @@ assert [round(size) for size in explicit[1]] == [25, 5]
 # tensor larger than the cap.
 #
 # The rebuild also explains a resume on more than 2 ranks (notebook 06). A resumed DDP run can
-# differ
-# in the last bits from one that never stopped. Its first iteration reduces one bucket, where the
-# straight run reduced the rebuilt ones. On more than 2 ranks, another split changes the last bits
-# of
-# some sums (measured below, "per parameter and in one flat buffer").
+# differ in the last bits from one that never stopped. Its first iteration reduces one bucket, where
+# the straight run reduced the rebuilt ones. On more than 2 ranks, another split changes the last
+# bits of some sums (measured below, "per parameter and in one flat buffer").
 
 # %% [markdown]
 # ## 4. Overlap: a mini DDP
 #
 # Buckets pay off once a bucket's `all_reduce` can start as soon as its gradients exist. Backward
 # then goes on computing the earlier layers meanwhile. PyTorch calls a hook registered with
-# `param.register_post_accumulate_grad_hook(hook)` the moment `param.grad` is final. The hook
-# copies
+# `param.register_post_accumulate_grad_hook(hook)` the moment `param.grad` is final. The hook copies
 # the gradient into its bucket's buffer. When the bucket is full, the hook launches the bucket's
 # `all_reduce` with `async_op=True`, which returns at once with a handle. After `loss.backward()`,
 # `wait()` waits on the handles, divides, and copies the means back.
@@ -381,8 +369,7 @@ assert [round(size) for size in explicit[1]] == [25, 5]
 # before it are launched. Then the calls match even if the gradients arrived in another order on
 # some rank, after a branch that depends on the data, say.
 #
-# Launching each gradient the moment it is ready is also safe; the exercise at the end does it.
-# But
+# Launching each gradient the moment it is ready is also safe; the exercise at the end does it. But
 # it is safe only because the graph fixes backward's order. The same model and code give the same
 # order on every rank, at every step:
 
@@ -418,8 +405,8 @@ show(gst.averaging.OverlappedAverager)
 
 
 # %% [markdown]
-# Does communication really start during backward? A probe on `conv1.weight`, the last gradient
-# that backward computes, counts the buckets already launched when it arrives:
+# Does communication really start during backward? A probe on `conv1.weight`, the last gradient that
+# backward computes, counts the buckets already launched when it arrives:
 
 # %% tags=["nbval-check-output"]
 def overlap_probe(rank, world_size, cap):
@@ -450,8 +437,7 @@ assert probe["when backward() returns"] == probe["buckets"]
 # ## Every variant gives DDP's result
 #
 # The training loop of notebook 02, with the lines being taught changed. `gst.averaging.prepare`
-# returns the module to call: `model` itself, or DDP's wrapper. It also returns the averaging to
-# run
+# returns the module to call: `model` itself, or DDP's wrapper. It also returns the averaging to run
 # between `backward()` and `step()`; that is nothing for DDP, which averages inside `backward()`.
 
 # %%
@@ -488,8 +474,7 @@ def train(rank, world_size, variant, epochs, options=None, comm_hook=None):
 
 
 # %% [markdown]
-# One epoch with each variant, all with the small bucket cap (DDP too). So bucketed, overlapped
-# and
+# One epoch with each variant, all with the small bucket cap (DDP too). So bucketed, overlapped and
 # DDP averaging each make 3 calls per step. How long each takes is the job of the benchmark below,
 # which times them side by side.
 
@@ -514,11 +499,9 @@ for variant, results in runs.items():
 # %% [markdown]
 # With 2 ranks the parameters are bit-identical to DDP's. A sum of 2 numbers does not depend on
 # their order, and DDP's multiplication by 1/2 is exact (see "Divide, then sum" below). With more
-# ranks, gloo adds the N numbers in an order that depends on where each one sits in the buffer.
-# Each
+# ranks, gloo adds the N numbers in an order that depends on where each one sits in the buffer. Each
 # variant lays the gradients out differently, so the last bits can differ. Notebook 03 finds the
-# same for DDP against manual averaging. One `all_reduce` of the CNN's gradients, per parameter
-# and
+# same for DDP against manual averaging. One `all_reduce` of the CNN's gradients, per parameter and
 # in one flat buffer, on 2, 3 and 4 ranks:
 
 # %%
@@ -542,15 +525,12 @@ for n in (2, 3, 4):
 # ## Measured: the step time of each variant against DDP's
 #
 # `benchmarks/averaging.py` times whole training steps: forward, backward, averaging and step. It
-# runs every variant and DDP in one launch, on the same batches, interleaved round by round. It
-# does
-# so for the CNN and for an MLP with 10 million parameters, whose 40 MB of gradients make
-# bandwidth
+# runs every variant and DDP in one launch, on the same batches, interleaved round by round. It does
+# so for the CNN and for an MLP with 10 million parameters, whose 40 MB of gradients make bandwidth
 # count too. Every rank runs one thread, and every variant uses DDP's default 25 MiB buckets. A
 # "compute only" line, which does not average at all, shows what a step costs without any
 # communication. This cell runs it as `python benchmarks/averaging.py` does, with fewer timed
-# rounds:
-# 8 for the CNN and 12 for the MLP, against the script's 24 and 48:
+# rounds: 8 for the CNN and 12 for the MLP, against the script's 24 and 48:
 
 # %%
 bench = runpy.run_path("../benchmarks/averaging.py")  # the benchmark script's functions
@@ -589,15 +569,12 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 # its load. The "vs ddp" ratios are measured side by side, so they vary less.
 #
 # * The distance from a variant to **compute only** is what its communication costs per step.
-# * **Per-parameter** pays 7 latencies a step more than flat. That shows where the step is short,
-#   as
+# * **Per-parameter** pays 7 latencies a step more than flat. That shows where the step is short, as
 #   for the CNN. For the MLP the 40 MB dominate, and 8 calls cost about what one costs.
 # * **Flat**, **bucketed** and **overlap** make one or two calls a step, as DDP does. On this
-#   machine
-#   they take about DDP's time, within the noise of the measurement.
+#   machine they take about DDP's time, within the noise of the measurement.
 # * **Overlap** hides communication behind backward only if something else moves the bytes while
-#   backward computes. On a CPU with one core per rank, gloo's communication thread takes turns
-# with
+#   backward computes. On a CPU with one core per rank, gloo's communication thread takes turns with
 #   backward on the same core. So overlapping, DDP's included, saves nothing here. That is why a
 #   variant that does not overlap can match or beat DDP on this machine. On GPUs the interconnect
 #   moves the bytes while the GPU computes (PyTorch's DDP notes, quoted at the top). That is
@@ -606,20 +583,16 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 # ## DDP's knobs
 #
 # DDP's constructor and hooks expose the ideas above as settings. They are measured on the MLP,
-# where
-# they matter, on 2 ranks:
+# where they matter, on 2 ranks:
 #
 # * `bucket_cap_mb` (default 25): smaller buckets can start communicating earlier, but pay more
 #   latencies. Larger ones pay fewer, but start later.
-# * `gradient_as_bucket_view=True`: `.grad` becomes a view into its bucket. Its documentation
-#   says:
+# * `gradient_as_bucket_view=True`: `.grad` becomes a view into its bucket. Its documentation says:
 #   "This can reduce peak memory usage, where the saved memory size will be equal to the total
 #   gradients size. Moreover, it avoids the overhead of copying between gradients and `allreduce`
 #   communication buckets." The views are checked below.
-# * A **communication hook** replaces DDP's `all_reduce` by any function of the bucket; notebook
-#   03
-#   wrote one. The documented `fp16_compress_hook` sends float16: half the bytes, but fewer
-# digits.
+# * A **communication hook** replaces DDP's `all_reduce` by any function of the bucket; notebook 03
+#   wrote one. The documented `fp16_compress_hook` sends float16: half the bytes, but fewer digits.
 #   [Notebook 09](09_precision_of_the_sum.ipynb) shows what low precision does to the mean as the
 #   number of ranks grows, and bfloat16's hook.
 
@@ -641,8 +614,7 @@ knob_rows = bench["run"](world_sizes=(WORLD_SIZE,), models=("mlp",), specs=knobs
 # %% [markdown]
 # How to read it: with one core per rank nothing overlaps (see above), so the bucket size changes
 # little here. The float16 hook halves the bytes sent. But it adds two conversions, float32 to
-# float16 before sending and back after, and gloo sums float16 on the CPU. Each of them is timed
-# on
+# float16 before sending and back after, and gloo sums float16 on the CPU. Each of them is timed on
 # 10 million floats, against a float32 sum:
 
 # %%
@@ -716,12 +688,10 @@ assert knob_diffs["fp16_compress_hook"] > 10 * max(knob_diffs["gradient_as_bucke
 # ## Divide, then sum, or sum, then divide?
 #
 # Our variants sum, then divide by N (notebook 02). DDP multiplies each gradient by 1/N while
-# copying
-# it into its bucket, *before* summing. With `gradient_as_bucket_view=True` and the gradients
-# zeroed
-# in place, the gradient already is the bucket. DDP then divides it in place by N, also before
-# summing. `fp16_compress_hook` above divides before summing too. In exact arithmetic these are
-# equal. In floating point:
+# copying it into its bucket, *before* summing. With `gradient_as_bucket_view=True` and the
+# gradients zeroed in place, the gradient already is the bucket. DDP then divides it in place by N,
+# also before summing. `fp16_compress_hook` above divides before summing too. In exact arithmetic
+# these are equal. In floating point:
 #
 # * Multiplying by 1/2 or 1/4 only changes the exponent, so it is exact, and the two orders give
 #   bit-identical results. 1/3 is rounded, so they can differ in the last bit.
@@ -739,12 +709,11 @@ for n in (2, 3, 4):
 
 
 # %% [markdown]
-# * For the same reason, `gradient_as_bucket_view=True` can change the last bits on 3 ranks.
-#   `x * (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does so
-# when
-#   the gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain `zero_grad()`,
-#   which sets them to `None`, the bits are the default's. Two steps of DDP on the same batches,
-#   against the default:
+# * For the same reason, `gradient_as_bucket_view=True` can change the last bits on 3 ranks. `x *
+#   (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does so when the
+#   gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain `zero_grad()`, which
+#   sets them to `None`, the bits are the default's. Two steps of DDP on the same batches, against
+#   the default:
 
 # %%
 def ddp_gradients(rank, world_size, as_view, set_to_none=True):
@@ -776,10 +745,8 @@ assert view_differ[3, False] > 0  # x / 3 against x * (1/3): other last bits
 
 # %% [markdown]
 # * In float16 the order matters much more. The largest float16 is 65,504, so summing first
-#   overflows to `inf` where dividing first does not. Dividing first turns tiny gradients into
-# zeros
-#   where summing first does not. Here with real `all_reduce` calls in float16; notebook 09 goes
-# on
+#   overflows to `inf` where dividing first does not. Dividing first turns tiny gradients into zeros
+#   where summing first does not. Here with real `all_reduce` calls in float16; notebook 09 goes on
 #   from here:
 
 # %% tags=["nbval-check-output"]
@@ -818,10 +785,9 @@ show(gst.averaging.ring_all_reduce)
 
 # %% [markdown]
 # It equals `dist.all_reduce` for any number of ranks and any size, even one the number of ranks
-# does
-# not divide. Integer-valued floats are summed exactly in any order, so there the results must be
-# equal bit for bit. Random floats may differ in the last bits, since the ring adds in a different
-# order from gloo's algorithm. Each rank also counts the bytes it sends:
+# does not divide. Integer-valued floats are summed exactly in any order, so there the results must
+# be equal bit for bit. Random floats may differ in the last bits, since the ring adds in a
+# different order from gloo's algorithm. Each rank also counts the bytes it sends:
 
 # %%
 def ring_vs_all_reduce(rank, world_size, size):
@@ -868,8 +834,7 @@ for n, results in ring_rows.items():
 # Use DDP (notebook 03): it buckets, overlaps, and is tested. If you must average by hand, make
 # **one** call per step, not one per parameter, as `FlatAverager` does. The script
 # `snippets/05_flat_averager.py` checks it against notebook 02's loop. The course's tests run it
-# with
-# `torchrun --standalone --nproc-per-node 2`:
+# with `torchrun --standalone --nproc-per-node 2`:
 #
 # <!-- snippets/05_flat_averager.py -->
 # ```python
@@ -967,8 +932,8 @@ for n, results in ring_rows.items():
 # ```
 #
 # To hide the communication behind backward, start each bucket's call from
-# `param.register_post_accumulate_grad_hook` with `async_op=True`, in the same order on every
-# rank, and `wait()` before `optimizer.step()` (`gst.averaging.OverlappedAverager`).
+# `param.register_post_accumulate_grad_hook` with `async_op=True`, in the same order on every rank,
+# and `wait()` before `optimizer.step()` (`gst.averaging.OverlappedAverager`).
 #
 # ## Exercise
 #
@@ -986,11 +951,9 @@ for n, results in ring_rows.items():
 # ```
 #
 # The check below runs 2 steps on 2 ranks, then on 3. It counts the calls that start during
-# backward,
-# and how many of them are asynchronous. It compares each step's gradients with the mean over
-# ranks.
-# It prints "✓ correct", or fails with what is wrong. Until you write the function, it says "not
-# attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.
+# backward, and how many of them are asynchronous. It compares each step's gradients with the mean
+# over ranks. It prints "✓ correct", or fails with what is wrong. Until you write the function, it
+# says "not attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.
 
 # %%
 def average_overlapped(model):
@@ -1004,7 +967,6 @@ gst.exercises.check_average_overlapped(average_overlapped)
 # %% [markdown]
 # **One more, not checked**: write `RingAverager`, a `gst.averaging.FlatAverager` whose `__call__`
 # uses your own `gst.averaging.ring_all_reduce(self.bucket.buffer)` in place of `dist.all_reduce`.
-# Check on 2 and 3 ranks that one training epoch with it gives DDP's parameters (within 1e-6).
-# Then
+# Check on 2 and 3 ranks that one training epoch with it gives DDP's parameters (within 1e-6). Then
 # time one call of each on the CNN's gradients, as `time_averaging` does above. The ring makes
 # 2(N-1) `send`/`recv` steps per call: how does its time grow from 2 to 4 ranks?

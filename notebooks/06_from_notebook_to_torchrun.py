@@ -1,20 +1,26 @@
 # %% [markdown]
 # # 06 — From notebook to torchrun: the same code on one machine or many
 #
-# **Question: how do I run this training outside a notebook — under `torchrun`, on one machine
-# or on several — and resume it after a crash?**
+# **Question: how do I run this training under `torchrun`, on one machine or several, and resume it
+# after a crash?**
 #
-# Notebooks 00 to 05 launch functions from cells with `gst.launch`. Real jobs run under
-# `torchrun`, PyTorch's own launcher (on a cluster, SLURM or Kubernetes starts one `torchrun` per
-# machine). **Short answer: the function you launched is the body of the script.** `torchrun`
-# gives every process the environment that `gst.launch` gave your function; the script adds
-# `init_process_group` before it, `destroy_process_group` after it, and `@record` so that a
-# failing rank's traceback reaches torchrun's error summary.
+# **Short answer:** use `torchrun`. Make the function you launched the body of a script. The script
+# adds 3 things: `init_process_group` before it, `destroy_process_group` after it, and `@record`, so
+# that a failing rank's traceback reaches torchrun's error summary.
 #
-# This notebook runs the course's script `scripts/train_ddp.py` with torchrun, from here, and
-# checks four things with numbers: torchrun and `gst.launch` give the same parameters; a run
-# resumed from a checkpoint equals a straight run; two "machines" give what one gives; and a
-# failing rank's error is what torchrun reports.
+# Notebooks 00 to 05 launch functions from cells with `gst.launch`. Real jobs run under `torchrun`,
+# PyTorch's own launcher. On a cluster, SLURM or Kubernetes starts one `torchrun` per machine.
+# `torchrun` gives every process the environment that `gst.launch` gave your function.
+#
+# This notebook runs the course's script `scripts/train_ddp.py` with torchrun, from here. It checks
+# four things with numbers:
+#
+# | check | section |
+# |---|---|
+# | torchrun and `gst.launch` give the same parameters | `gst.launch` and torchrun |
+# | a run resumed from a checkpoint equals a straight run | Checkpoint and resume |
+# | two "machines" give what one gives | Many machines |
+# | a failing rank's error is what torchrun reports | When a rank fails |
 
 # %%
 import os
@@ -58,11 +64,11 @@ assert train_ddp.MOMENTUM == MOMENTUM and GLOBAL_BATCH % WORLD_SIZE == 0
 # %% [markdown]
 # ## `gst.launch` gave your function torchrun's environment
 #
-# `torchrun --standalone --nproc-per-node N script.py` starts N fresh Python processes, gives each
-# one `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`, and
-# runs `script.py` in every one. `gst.launch` starts its workers the same way. Here is what each
-# rank sees, under both (torchrun's `--no-python` runs any program, here a one-line Python
-# command that writes the variables as one line of JSON):
+# `torchrun --standalone --nproc-per-node N script.py` starts N fresh Python processes. It gives
+# each one `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`,
+# and runs `script.py` in every one. `gst.launch` starts its workers the same way. Here is what each
+# rank sees, under both. torchrun's `--no-python` runs any program; here it is a one-line Python
+# command that writes the variables as one line of JSON:
 
 # %%
 KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
@@ -90,8 +96,8 @@ for k in KEYS:
     print(f"{k:20}{values[0]:>22}{values[1]:>22}")
 
 # %% [markdown]
-# The rendezvous address and port differ from run to run (each launcher picks a free port); the
-# rank variables are the same, rank by rank:
+# The rendezvous address and port differ from run to run, since each launcher picks a free port. The
+# rank variables are the same, rank by rank.
 
 # %% tags=["nbval-check-output"]
 same = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"]
@@ -103,8 +109,8 @@ print(f"rank variables equal on all {WORLD_SIZE} ranks:", same)
 # %% [markdown]
 # ## The script is the function plus three lines
 #
-# So a function that ran under `gst.launch` runs under torchrun as it is. What a script adds is
-# what `gst.launch` did around your function:
+# A function that ran under `gst.launch` runs under torchrun as it is. What a script adds is what
+# `gst.launch` did around your function:
 #
 # | in the notebook: `gst.launch(train, world_size=2)` | in `scripts/train_ddp.py`, under `torchrun --nproc-per-node 2` |
 # |---|---|
@@ -123,20 +129,20 @@ print(inspect.getsource(train_ddp.main))
 
 
 # %% [markdown]
-# Inside `train(args)` is notebook 03's loop: DDP, and each rank's indices from
-# `DistributedSampler` with `set_epoch(epoch)`, which deals out exactly notebook 02's shards
-# `order[rank::world_size]` (notebook 03 checks it). `scripts/train_manual.py` is the same
-# script with notebook 02's `average_gradients` instead of DDP. What `train` adds for a real job:
-# its settings come from the command line, rank 0 alone prints a loss averaged over the ranks,
-# and rank 0 writes a checkpoint after every epoch.
+# Inside `train(args)` is notebook 03's loop: DDP, and each rank's indices from `DistributedSampler`
+# with `set_epoch(epoch)`. The sampler deals out exactly notebook 02's shards
+# `order[rank::world_size]` (notebook 03 checks it). `scripts/train_manual.py` is the same script
+# with notebook 02's `average_gradients` instead of DDP. What `train` adds for a real job is small.
+# Its settings come from the command line. Rank 0 alone prints a loss averaged over the ranks, and
+# writes a checkpoint after every epoch.
 #
 # ## Run it with torchrun, from here
 #
-# The same command as in a terminal, started with this kernel's Python
-# (`python -m torch.distributed.run` *is* the `torchrun` command). One thread per rank, so that
-# every run below adds its numbers in the same order and the comparisons can ask for equality.
-# That is torchrun's own default when a machine runs several ranks: it sets `OMP_NUM_THREADS=1`
-# in every rank unless the variable is already set, as the ranks of the first run above saw:
+# The same command as in a terminal, started with this kernel's Python. (`python -m
+# torch.distributed.run` *is* the `torchrun` command.) Each rank runs one thread, so that every run
+# below adds its numbers in the same order. The comparisons can then ask for equality. That is
+# torchrun's own default when a machine runs several ranks. It sets `OMP_NUM_THREADS=1` in every
+# rank unless the variable is already set, as the ranks of the first run above saw:
 
 # %%
 omp = {env["OMP_NUM_THREADS"] for env in torchrun_envs}
@@ -185,7 +191,7 @@ print(ok(run))
 
 # %% [markdown]
 # Only rank 0 printed, and the loss it printed is the mean over all ranks. The last line is the
-# script's own check that every rank ended with the same parameters:
+# script's own check that every rank ended with the same parameters.
 
 # %%
 equal = rf"parameters equal across {WORLD_SIZE} ranks: max \|p - p on rank 0\| = 0\.0$"
@@ -197,9 +203,9 @@ print("epochs done in the checkpoint:", checkpoint(straight)["epochs_done"])
 # %% [markdown]
 # ## `gst.launch` and torchrun give the same parameters
 #
-# The script's `train(args)` is an ordinary function, so we can also launch it from the notebook,
+# The script's `train(args)` is an ordinary function. So we can also launch it from the notebook,
 # with the same command-line arguments. `gst.launch` stands in for `init_distributed()` and
-# `destroy_process_group()`; `num_threads=1` matches torchrun's one thread per rank.
+# `destroy_process_group()`. `num_threads=1` matches torchrun's one thread per rank.
 
 # %%
 def train_from_notebook(rank, world_size, argv):
@@ -215,9 +221,9 @@ diff = gst.checks.compare_state_dicts(
 )
 
 # %% [markdown]
-# On CPUs the two runs add the same numbers in the same order, so they agree to the last bit. (On
-# GPUs, where kernels may add in another order, the check allows 1e-5; the script asks cuDNN
-# for deterministic kernels, `torch.backends.cudnn.deterministic = True`.)
+# On CPUs the two runs add the same numbers in the same order, so they agree to the last bit. On
+# GPUs kernels may add in another order, so the check allows 1e-5. The script asks cuDNN for
+# deterministic kernels, `torch.backends.cudnn.deterministic = True`.
 
 # %%
 ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
@@ -228,11 +234,11 @@ assert diff <= TOL
 # %% [markdown]
 # ## Checkpoint and resume
 #
-# After every epoch, rank 0 saves a checkpoint and every rank waits at a barrier until the file
-# is complete (`save_checkpoint`). One copy of the model and the optimizer is enough, since
-# every rank holds the same ones; the random generators are gathered from every rank
-# (`all_gather_object`), since each rank has its own. What must be in the file, for a resumed
-# run to be the run that never stopped:
+# After every epoch, rank 0 saves a checkpoint (`save_checkpoint`). Every rank waits at a barrier
+# until the file is complete. One copy of the model and the optimizer is enough, since every rank
+# holds the same ones. The random generators are gathered from every rank (`all_gather_object`),
+# since each rank has its own. Here is what must be in the file, for a resumed run to be the run
+# that never stopped:
 
 # %%
 WHY = {
@@ -248,13 +254,15 @@ assert len(checkpoint(straight)["rng"]) == WORLD_SIZE  # one state per rank
 
 # %% [markdown]
 # `--resume` continues from `--checkpoint` when the file exists, and starts from scratch when it
-# does not, so one command line serves the first start and every restart (a requeued SLURM job,
-# a torchrun restart). Rank 0 looks for the file and broadcasts what it found, so every rank
-# loads it or none does. Loading uses `map_location="cpu"`: rank 0 saved tensors from its own
-# GPU, and without it every rank would load them onto that GPU. In `torch.load`'s
+# does not. So one command line serves the first start and every restart: a requeued SLURM job, or a
+# torchrun restart. Rank 0 looks for the file and broadcasts what it found, so every rank loads it
+# or none does.
+#
+# Loading uses `map_location="cpu"`. Rank 0 saved tensors from its own GPU; without it, every rank
+# would load them onto that GPU. In `torch.load`'s
 # [documentation](https://docs.pytorch.org/docs/stable/generated/torch.load.html), storages "are
-# first deserialized on the CPU and are then moved to the device they were saved from". We train
-# 1 epoch, stop, and run the same command again with `--epochs 2`:
+# first deserialized on the CPU and are then moved to the device they were saved from". We train 1
+# epoch, stop, and run the same command again with `--epochs 2`:
 
 # %%
 resumed = fresh("06_resumed.pt")
@@ -280,12 +288,12 @@ if WORLD_SIZE == 2:  # a sum of 2 numbers has no order: the resumed run is the s
     assert model_diff <= TOL and momentum_diff <= TOL
 
 # %% [markdown]
-# That equality is for 2 ranks. With more (`WORLD_SIZE = 4`), a resumed DDP's first step sums
-# the gradients in one bucket, where the straight run sums them in the buckets DDP rebuilt after
-# its first step (notebook 05): the same numbers added in another order, so that step differs in
-# the last bits, and an epoch of training amplifies them (notebook 02 measures how far float32
-# rounding grows in an epoch). The checkpoint is not the cause: `scripts/train_manual.py`, the
-# same script with `average_gradients` and no buckets, resumes to the last bit on any number of
+# That equality is for 2 ranks. With more (`WORLD_SIZE = 4`), a resumed DDP's first step sums the
+# gradients in one bucket. The straight run sums them in the buckets DDP rebuilt after its first
+# step (notebook 05). These are the same numbers added in another order, so that step differs in the
+# last bits. An epoch of training then carries the difference on; notebook 02 measures how far
+# float32 rounding grows in an epoch. The checkpoint is not the cause. `scripts/train_manual.py`,
+# the same script with `average_gradients` and no buckets, resumes to the last bit on any number of
 # ranks. Checked when this notebook runs on more than 2 ranks:
 
 # %%
@@ -305,8 +313,8 @@ else:
           "(tools/build_notebooks.py --world-size 4)")
 
 # %% [markdown]
-# Why the RNG state: dropout draws new masks at every step. After epoch 1 the generator has moved
-# on from where `torch.manual_seed` put it; a resumed run that only re-seeded would draw epoch 1's
+# Why the RNG state: dropout draws new masks at every step. After epoch 1 the generator has moved on
+# from where `torch.manual_seed` put it. A resumed run that only re-seeded would draw epoch 1's
 # masks again in epoch 2.
 
 # %%
@@ -316,13 +324,14 @@ assert not torch.equal(torch.get_rng_state(), after_one["rng"][0]["cpu"])
 print("the saved generator state is not the seeded one: re-seeding would replay epoch 1's dropout")
 
 # %% [markdown]
-# Why every rank's generator: the script seeds every rank alike for the initial weights, then
-# each rank differently (`torch.manual_seed(seed + rank)`, so that each rank draws its own
-# dropout masks, as one process would for the whole batch). So every rank has its own state,
-# and each rank must resume from its own. That pattern with the script's `save_checkpoint` and
-# `load_checkpoint`: 2 steps, save, 2 more steps, against a restart from the file; then the same
-# with every rank given rank 0's state, which is what a checkpoint with rank 0's generator alone
-# would do:
+# Why every rank's generator: the script seeds every rank alike for the initial weights. Then it
+# seeds each rank differently, `torch.manual_seed(seed + rank)`, so that each rank draws its own
+# dropout masks, as one process would for the whole batch. So every rank has its own state, and each
+# rank must resume from its own.
+#
+# Here is that pattern with the script's `save_checkpoint` and `load_checkpoint`. We take 2 steps,
+# save, and take 2 more steps, against a restart from the file. Then the same with every rank given
+# rank 0's state, as a checkpoint with rank 0's generator alone would do:
 
 # %%
 def resume_with_a_seed_per_rank(rank, world_size, path, restore):
@@ -375,9 +384,9 @@ assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the a
 # %% [markdown]
 # ## Many machines: one torchrun per machine
 #
-# On a cluster, each machine runs one `torchrun` agent. The agents meet at a *rendezvous*, a
-# store on one of them (`--rdzv-backend c10d --rdzv-endpoint HOST:PORT`), agree on who is
-# rank what, and start their workers:
+# On a cluster, each machine runs one `torchrun` agent. The agents meet at a *rendezvous*, a store
+# on one of them (`--rdzv-backend c10d --rdzv-endpoint HOST:PORT`). They agree on who is rank what,
+# and start their workers:
 #
 # ```bash
 # # on every machine (the same line; HOST is one of them, e.g. the first):
@@ -385,11 +394,11 @@ assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the a
 #     --rdzv-id my-job scripts/train_ddp.py --checkpoint ckpt.pt --resume
 # ```
 #
-# Two agents on this one machine are two "machines" as far as torch is concerned, so we can
-# check that the result does not depend on how the ranks are spread: 2 agents with
-# `WORLD_SIZE / 2` ranks each must give what 1 agent with `WORLD_SIZE` ranks gave.
-# (`is_host` says which agent hosts the store, which on real machines torchrun works out from
-# the host name. With GPUs, each agent gets GPUs of its own, as each machine would.)
+# Two agents on this one machine are two "machines" as far as torch is concerned. So we can check
+# that the result does not depend on how the ranks are spread. 2 agents with `WORLD_SIZE / 2` ranks
+# each must give what 1 agent with `WORLD_SIZE` ranks gave. `is_host` says which agent hosts the
+# store; on real machines torchrun works it out from the host name. With GPUs, each agent gets GPUs
+# of its own, as each machine would.
 
 # %%
 with socket.socket() as s:  # a free port for the rendezvous
@@ -422,11 +431,10 @@ assert diff <= TOL
 # %% [markdown]
 # ## When a rank fails
 #
-# The course has a wrapper for this demonstration, `scripts/fail_rank.py 1 SCRIPT`: it
-# runs the script with rank 1 raising an exception once the process group is up (the script
-# itself has no such switch: it is the file you copy). torchrun stops the other ranks and exits
-# with a non-zero status, which is what a scheduler (or a CI job) needs to see, and ends with a
-# summary:
+# The course has a wrapper for this demonstration, `scripts/fail_rank.py 1 SCRIPT`. It runs the
+# script with rank 1 raising an exception once the process group is up. The script itself has no
+# such switch: it is the file you copy. torchrun stops the other ranks and exits with a non-zero
+# status, which is what a scheduler or a CI job needs to see. It ends with a summary:
 
 # %%
 failed = torchrun(*STANDALONE, "scripts/fail_rank.py", 1, *SCRIPT, "--epochs", 1)
@@ -439,9 +447,9 @@ print(summary)
 #
 # * **Root Cause (first observed failure)**: the rank that failed first, its exit code, and —
 #   because `main` is decorated with `@record` — its traceback. Start here, with one caveat:
-#   torchrun dates failures in whole seconds. If two ranks fail in the same second, it may name
-#   the lower rank, even when that rank only failed because of the other (checked below). So read
-#   each traceback: the cause is the rank whose traceback is its own exception, not a lost peer
+#   torchrun dates failures in whole seconds. If two ranks fail in the same second, it may name the
+#   lower rank, even when that rank only failed because of the other (checked below). So read each
+#   traceback: the cause is the rank whose traceback is its own exception, not a lost peer
 #   ("Connection closed by peer") or a SIGTERM.
 # * **Failures**: the other ranks that failed, usually *because* of the real cause: here rank 0,
 #   whose `barrier` lost its peer or which torchrun stopped with SIGTERM. Not a second bug.
@@ -482,9 +490,9 @@ print("without @record, the summary has no traceback: the error is only in the w
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/06_torchrun_script.py`, a small model on random data, run by the course's tests
-# with `torchrun --standalone --nproc-per-node 2` (the whole course version:
-# `scripts/train_ddp.py`; the README has the multi-node and SLURM commands):
+# `snippets/06_torchrun_script.py` trains a small model on random data. The course's tests run it
+# with `torchrun --standalone --nproc-per-node 2`. The whole course version is
+# `scripts/train_ddp.py`; the README has the multi-node and SLURM commands.
 #
 # <!-- snippets/06_torchrun_script.py -->
 # ```python
@@ -624,35 +632,34 @@ print("without @record, the summary has no traceback: the error is only in the w
 #   `sampler.set_epoch(epoch)` at the start of every epoch.
 # * Log from rank 0 only, a loss averaged across ranks (`all_reduce`, then divide).
 # * Checkpoint: rank 0 saves model, optimizer, epochs done and every rank's RNG state
-#   (`dist.all_gather_object`) to `path.tmp`, then `os.replace`s it (a crashed process leaves
-#   the old file whole; for a crashed machine, `os.fsync` the file first), then
-#   `dist.barrier()`; load with `torch.load(path, map_location="cpu")` on every rank, each
-#   taking its own RNG state. `--resume` with no file yet starts from scratch; rank 0 decides
-#   and broadcasts it (`dist.broadcast_object_list`), so no rank resumes alone.
+#   (`dist.all_gather_object`) to `path.tmp`. It then `os.replace`s it, then calls `dist.barrier()`.
+#   A crashed process leaves the old file whole; for a crashed machine, `os.fsync` the file first.
+# * Load with `torch.load(path, map_location="cpu")` on every rank, each taking its own RNG state.
+#   `--resume` with no file yet starts from scratch. Rank 0 decides and broadcasts it
+#   (`dist.broadcast_object_list`), so no rank resumes alone.
 # * `init_distributed()` picks nccl only when the machine has a GPU for every local rank
-#   (`LOCAL_WORLD_SIZE`), as `gst.launch` does; with 2 ranks on 1 GPU every rank takes gloo,
-#   and warns with both numbers.
-# * `scripts/train_ddp.py` also calls `gc.collect()` just before `destroy_process_group()`. Only
-#   needed when something `train` built (the DDP model) can outlive it in a reference cycle: there,
-#   importing torchvision inside `train` made one, the model was freed at exit after the group,
-#   and gloo sometimes aborted a run that had finished. This snippet has no such cycle.
+#   (`LOCAL_WORLD_SIZE`), as `gst.launch` does. With 2 ranks on 1 GPU every rank takes gloo, and
+#   warns with both numbers.
+# * `scripts/train_ddp.py` also calls `gc.collect()` just before `destroy_process_group()`. It is
+#   only needed when something `train` built, the DDP model, can outlive it in a reference cycle.
+#   There, importing torchvision inside `train` made one. The model was freed at exit after the
+#   group, and gloo sometimes aborted a run that had finished. This snippet has no such cycle.
 #
 # ## Exercise
 #
 # Write `save_checkpoint(path, model, optimizer, epochs_done)` from what this notebook showed,
-# without looking at the script: after it, a run that restarts (seeds, builds the model and the
-# optimizer, loads the file) must be exactly the run that never stopped. Every rank calls it;
-# `model` is the DDP wrapper, as in the script (the Net is `model.module`), and `optimizer` SGD
-# with momentum. Think of
-# what the file needs (the list under "Checkpoint and resume"), of which rank writes it, and of
-# when the other ranks may go on.
+# without looking at the script. After it, a run that restarts must be exactly the run that never
+# stopped. The restart seeds, builds the model and the optimizer, and loads the file. Every rank
+# calls your function. `model` is the DDP wrapper, as in the script (the Net is `model.module`), and
+# `optimizer` SGD with momentum. Think of what the file needs (the list under "Checkpoint and
+# resume"). Think of which rank writes it, and of when the other ranks may go on.
 #
-# The check below runs it on 2 ranks, then on 3, in the middle of a training run with dropout, then compares
-# 2 more steps of that run with 2 steps of a run resumed from your file (whatever your keys: it
-# finds the pieces by what they are). It prints "✓ correct", or fails with what is wrong (a
-# missing piece and how far the resumed run drifts, a file written by every rank, a rank that did
-# not wait); until you write the function, it says "not attempted yet". Stuck?
-# `%load solutions/06_save_checkpoint.py` in a new cell.
+# The check below runs it on 2 ranks, then on 3, in the middle of a training run with dropout. It
+# then compares 2 more steps of that run with 2 steps of a run resumed from your file. Your keys do
+# not matter: it finds the pieces by what they are. It prints "✓ correct", or fails with what is
+# wrong: a missing piece and how far the resumed run drifts, a file written by every rank, a rank
+# that did not wait. Until you write the function, it says "not attempted yet". Stuck? `%load
+# solutions/06_save_checkpoint.py` in a new cell.
 
 # %%
 def save_checkpoint(path, model, optimizer, epochs_done):
@@ -665,10 +672,9 @@ def save_checkpoint(path, model, optimizer, epochs_done):
 gst.exercises.check_save_checkpoint(save_checkpoint)
 
 # %% [markdown]
-# **One more, not checked**: torchrun can restart a failed job by itself: `--max-restarts 1`
-# starts every worker again after a failure, with the same command line. Change the failure
-# switch so that rank 1 fails only once, during epoch 2 (for example only while a file
-# `fail-once` exists, which it deletes before raising). Run 2 epochs with
-# `--max-restarts 1 --checkpoint ... --resume` and check that the job succeeds, that the log
-# shows the restart resuming after epoch 1, and that the final parameters equal the straight
-# run's.
+# **One more, not checked**: torchrun can restart a failed job by itself. `--max-restarts 1` starts
+# every worker again after a failure, with the same command line. Change the failure switch so that
+# rank 1 fails only once, during epoch 2. For example, fail only while a file `fail-once` exists,
+# and delete it before raising. Run 2 epochs with `--max-restarts 1 --checkpoint ... --resume`.
+# Check that the job succeeds, that the log shows the restart resuming after epoch 1, and that the
+# final parameters equal the straight run's.
