@@ -1,29 +1,28 @@
 # %% [markdown]
 # # 07 — Which mean? Tokens, micro-batches and ranks
 #
-# **Question: when each rank's loss is a mean over a different number of tokens, is "each rank's
-# mean, then DDP's mean over the ranks" still the mean over the global batch? If not, what do I
-# divide by?**
+# **Question: each rank's loss is a mean over its own number of tokens. Is "each rank's mean, then
+# DDP's mean over the ranks" the mean over the global batch, and if not, what do I divide by?**
 #
-# Notebook 02 proved that `all_reduce(SUM)` then `/ world_size` averages the gradients, and
-# notebook 04's mean-of-means pitfall showed the catch: dividing by the world size is right only
-# when every rank's loss is a mean over **the same number of items**. With variable-length
-# sequences (padding, `ignore_index`), the items are tokens, and the ranks, and the micro-batches
-# of gradient accumulation, hold different numbers of them. This is the "gradient accumulation
-# bug" that LLM trainers fixed in 2024 (Hugging Face's write-up: "Gradient accumulation is
-# *supposed* to be mathematically equivalent to full batch training; however, losses did not
-# match between training runs where the setting was toggled on and off",
-# [huggingface/blog#2414](https://github.com/huggingface/blog/pull/2414); the fix,
-# [transformers#34191](https://github.com/huggingface/transformers/pull/34191)), and its
-# distributed twin.
+# **Short answer:** divide each rank's **sum** of token losses by the **global** number of valid
+# tokens. Count them over every micro-batch of every rank, with one `all_reduce` of one number.
+# Under DDP, also multiply by the world size N, because DDP divides by N. With notebook 02's
+# `all_reduce(SUM)` and no division, leave out the × N. The per-rank mean, and the mean per
+# micro-batch, are right only when every rank and every micro-batch hold the same number of tokens.
+# The rest of this notebook measures each of these sentences. It works in float64 where it claims
+# exactness, with float32 next to it.
 #
-# **Short answer: no.** Divide each rank's **sum** of token losses by the **global** number of
-# valid tokens, counted over every micro-batch of every rank (one `all_reduce` of one number),
-# and under DDP multiply by the world size N, because DDP divides by N. With notebook 02's
-# `all_reduce(SUM)` and no division, leave out the × N. The per-rank mean (and the mean per
-# micro-batch) is right only when every rank and every micro-batch hold the same number of
-# tokens. The rest of this notebook measures each of these sentences, in float64 where it claims
-# exactness (float32 next to it).
+# Notebook 02 proved that `all_reduce(SUM)` then `/ world_size` averages the gradients. Notebook
+# 04's mean-of-means pitfall showed the catch. Dividing by the world size is right only when every
+# rank's loss is a mean over **the same number of items**. With variable-length sequences (padding,
+# `ignore_index`), the items are tokens. The ranks, and the micro-batches of gradient accumulation,
+# hold different numbers of them.
+#
+# This is the "gradient accumulation bug" that LLM trainers fixed in 2024, and its distributed twin.
+# Hugging Face's write-up says: "Gradient accumulation is *supposed* to be mathematically equivalent
+# to full batch training; however, losses did not match between training runs where the setting was
+# toggled on and off" ([huggingface/blog#2414](https://github.com/huggingface/blog/pull/2414)). The
+# fix is [transformers#34191](https://github.com/huggingface/transformers/pull/34191).
 
 # %%
 import os
@@ -57,10 +56,10 @@ LINES, IGNORE_INDEX = gst.tokens.LINES, gst.tokens.IGNORE_INDEX
 # %% [markdown]
 # ## The task: lines of text, of different lengths
 #
-# A character-level language model: given a character, predict the next one. Each line of
-# `gst.tokens.LINES` (short sentences, in memory) is one sequence; a line of L characters gives
-# L − 1 tokens to predict. A batch pads its lines to the longest: the inputs with 0, the targets
-# with `IGNORE_INDEX` (−100), which `F.cross_entropy` skips.
+# The task is a character-level language model: given a character, predict the next one. Each line
+# of `gst.tokens.LINES` (short sentences, in memory) is one sequence. A line of L characters gives L
+# − 1 tokens to predict. A batch pads its lines to the longest. It pads the inputs with 0, and the
+# targets with `IGNORE_INDEX` (−100), which `F.cross_entropy` skips.
 
 # %%
 inputs, targets = gst.tokens.pad(["sum, then divide", "ok"])
@@ -74,8 +73,8 @@ print(f"{len(LINES)} lines of {tokens_per_line[0]} to {tokens_per_line[-1]} toke
 
 # %% [markdown]
 # The model is as small as a language model gets: an embedding and a linear layer (a "bigram"
-# model). The same initial weights on every rank, from the same seed, as in notebook 02. The
-# loss is written as a **sum** over the valid tokens; `F.cross_entropy`'s default, the mean over
+# model). Every rank starts from the same initial weights, from the same seed, as in notebook 02.
+# The loss is written as a **sum** over the valid tokens. `F.cross_entropy`'s default, the mean over
 # the valid tokens, is that sum divided by their count:
 
 # %%
@@ -105,9 +104,10 @@ assert torch.allclose(mean_loss, loss_sum(model, inputs, targets) / valid_tokens
 
 
 # %% [markdown]
-# One step's global batch: lines drawn at random, dealt to the ranks and, on each rank, to its
-# micro-batches. Training code often **groups lines by length** to waste less padding; then a
-# step's short lines land on one rank and its long ones on another. `by_length=True` does that.
+# One step's global batch holds lines drawn at random. They are dealt to the ranks and, on each
+# rank, to its micro-batches. Training code often **groups lines by length** to waste less padding.
+# Then a step's short lines land on one rank and its long ones on another. `by_length=True` does
+# that.
 
 # %%
 def draw(step, micro_batches=1, lines_per_micro_batch=4, world_size=WORLD_SIZE,
@@ -138,9 +138,9 @@ assert len({sum(c) for c in token_counts(grouped)}) == WORLD_SIZE  # every rank 
 # %% [markdown]
 # ## The reference: one process, the whole batch
 #
-# What N ranks must reproduce: one process that takes every line of every rank's micro-batches
-# as one batch, with PyTorch's own mean over the valid tokens (`F.cross_entropy`'s default
-# `reduction="mean"`): the sum of the token losses divided by the number of valid tokens.
+# What N ranks must reproduce is one process that takes every line of every rank's micro-batches as
+# one batch. It uses PyTorch's own mean over the valid tokens, `F.cross_entropy`'s default
+# `reduction="mean"`. That is the sum of the token losses divided by the number of valid tokens.
 
 # %%
 def flat_grad(model):
@@ -174,18 +174,18 @@ def off(grad, ref):
 # %% [markdown]
 # ## The step on N ranks, three ways to divide
 #
-# Each rank runs `backward()` on each of its micro-batches; `mean` says what divides each
-# micro-batch's loss sum. Under DDP, every micro-batch but the last runs inside `no_sync()`, so
-# DDP averages once, in the last backward (notebook 04's accumulation pitfall).
+# Each rank runs `backward()` on each of its micro-batches. `mean` says what divides each
+# micro-batch's loss sum. Under DDP, every micro-batch but the last runs inside `no_sync()`. So DDP
+# averages once, in the last backward (notebook 03's accumulation pitfall).
 #
-# * `"per rank"`: this rank's sum over its own count: each rank's mean, then DDP's mean over the
+# * `"per rank"`: this rank's sum over its own count, so each rank's mean, then DDP's mean over the
 #   ranks. The usual code, `F.cross_entropy(logits, targets)`, computes exactly this (with one
 #   micro-batch).
-# * `"per micro-batch"`: each micro-batch's own mean, divided by the number of micro-batches K.
-#   The 2024 accumulation bug: `F.cross_entropy(...) / K`.
-# * `"global"`: the fix. Count this rank's valid tokens over all its micro-batches, `all_reduce`
-#   the count (every rank receives the global count), divide by it, and multiply by N, because
-#   DDP (like notebook 02's `average_gradients`) divides the summed gradients by N.
+# * `"per micro-batch"`: each micro-batch's own mean, divided by the number of micro-batches K. This
+#   is the 2024 accumulation bug: `F.cross_entropy(...) / K`.
+# * `"global"`: the fix. Count this rank's valid tokens over all its micro-batches. `all_reduce` the
+#   count, so every rank receives the global count, and divide by it. Then multiply by N, because
+#   DDP divides the summed gradients by N, like notebook 02's `average_gradients`.
 
 # %%
 def backward_over(model, micro_batches, mean, times_world_size=True):
@@ -280,10 +280,10 @@ for results in per_rank.values():
 assert per_rank["grouped by length"][torch.float64]["off"][0] > 0.1
 
 # %% [markdown]
-# Why: rank r's tokens get the weight 1 / (N · n_r) instead of 1 / Σ n, so a rank holding few
-# tokens counts each of them more. How wrong depends on how different the counts are. Here each
-# rank gets 4 lines of more than 30 tokens, cut to 30 tokens on even ranks and to 30 / ratio on
-# odd ones; at a ratio of 1 every rank holds the same number of tokens:
+# Why: rank r's tokens get the weight 1 / (N · n_r) instead of 1 / Σ n. So a rank holding few tokens
+# counts each of them more. How wrong it is depends on how different the counts are. Here each rank
+# gets 4 lines of more than 30 tokens. They are cut to 30 tokens on even ranks, and to 30 / ratio on
+# odd ones. At a ratio of 1, every rank holds the same number of tokens:
 
 # %%
 RATIOS = [1, 2, 3, 5, 10, 15, 30]
@@ -319,8 +319,8 @@ assert errors[-1] > 0.3
 # %% [markdown]
 # ## 2. The fix: divide by the global count
 #
-# The same steps with `mean="global"`: DDP with the × N, notebook 02's `average_gradients`
-# (SUM, then / N) with the × N, and notebook 02's SUM without dividing, without the × N:
+# The same steps with `mean="global"`: DDP with the × N, notebook 02's `average_gradients` (SUM,
+# then / N) with the × N, and notebook 02's SUM without dividing, without the × N:
 
 # %%
 fixed = {spelling: run(grouped, "global", spelling)
@@ -347,9 +347,9 @@ assert fixed["DDP"][torch.float64]["all_reduce sizes"] == [1]  # the count: one 
 
 # %% [markdown]
 # Under DDP the fix makes one `all_reduce` more than the bug: the count, one number.
-# (`average_gradients` and `sum_gradients` reduce each of the model's 3 parameters on its own,
-# as in notebook 02, after the count.) The × N is what people forget: without it, under DDP,
-# every gradient is N times too small, the learning rate divided by N:
+# (`average_gradients` and `sum_gradients` reduce each of the model's 3 parameters on its own, as in
+# notebook 02, after the count.) The × N is what people forget. Without it, under DDP, every
+# gradient is N times too small: the learning rate divided by N.
 
 # %%
 forgot = run(grouped, "global", "DDP, no × N", dtypes=(torch.float64,))[torch.float64]
@@ -364,10 +364,10 @@ assert torch.allclose(forgot["grad"], c * fixed["DDP"][torch.float64]["grad"], r
 # %% [markdown]
 # ## 3. Gradient accumulation with unequal micro-batches
 #
-# The 2024 bug needs no second GPU. One process, one batch cut into K micro-batches, each
-# micro-batch's mean divided by K (the classic accumulation recipe, notebook 01's exercise) is
-# the mean over the K micro-batches' means: right only when every micro-batch holds the same
-# number of tokens.
+# The 2024 bug needs no second GPU. Take one process and one batch cut into K micro-batches. Divide
+# each micro-batch's mean by K: the classic accumulation recipe, notebook 01's exercise. The result
+# is the mean over the K micro-batches' means. It is right only when every micro-batch holds the
+# same number of tokens.
 
 # %%
 accumulated = draw(0, MICRO_BATCHES, LINES_PER_MICRO_BATCH, by_length=True)
@@ -392,8 +392,8 @@ for mean in ("per micro-batch", "global"):
     assert (rel > 1e-2) if mean == "per micro-batch" else (rel <= 1e-12)
 
 # %% [markdown]
-# On N ranks the micro-batches differ within a rank and the ranks differ from each other. The
-# count must run over both: all the micro-batches of all the ranks.
+# On N ranks the micro-batches differ within a rank and the ranks differ from each other. The count
+# must run over both: all the micro-batches of all the ranks.
 
 # %%
 accumulation = {mean: run(accumulated, mean) for mean in ("per micro-batch", "per rank",
@@ -411,9 +411,9 @@ print(f"{MICRO_BATCHES} micro-batches, no_sync: {calls}")
 assert calls == {gst.detect.DDP_KEY: 1, "all_reduce": 1}  # DDP synced once; one count
 
 # %% [markdown]
-# These are the 4 × N lines of section 1's grouped batch, only split into 2 micro-batches of 2
-# lines instead of 1 of 4. The fix gives the same gradient for both splits; with the mean per
-# micro-batch, changing the number of accumulation steps changes the step:
+# These are the 4 × N lines of section 1's grouped batch, only split into 2 micro-batches of 2 lines
+# instead of 1 of 4. The fix gives the same gradient for both splits. With the mean per micro-batch,
+# changing the number of accumulation steps changes the step:
 
 # %%
 same_lines = [sorted(line for micro_batch in rank for line in micro_batch) for rank in grouped]
@@ -430,10 +430,9 @@ assert fix_gap <= 1e-14 and split_gap["per micro-batch"] > 1e-2
 # %% [markdown]
 # ## 4. The logged loss
 #
-# Each rank usually prints its own loss. With different token counts, neither a rank's own mean
-# nor the mean of the ranks' means is the global batch's loss; the global loss is one more
-# `all_reduce`, of the loss sum and the count together (`step` above does it after
-# `backward_over`):
+# Each rank usually prints its own loss. With different token counts, neither a rank's own mean nor
+# the mean of the ranks' means is the global batch's loss. The global loss takes one more
+# `all_reduce`, of the loss sum and the count together. `step` above does it after `backward_over`:
 
 # %%
 r = accumulation["global"][torch.float64]
@@ -445,10 +444,10 @@ assert all(abs(rank["global loss"] - ref_loss) <= 1e-12 for rank in r["ranks"])
 assert abs(sum(own) / len(own) - ref_loss) > 1e-2 and all(abs(x - ref_loss) > 1e-2 for x in own)
 
 # %% [markdown]
-# And why the bug survived in real trainers: **the loss curve looks right**. Train
-# `TRAIN_STEPS` steps of SGD on batches grouped by length, each way, and log the global loss
-# correctly in every run. At each step, also measure the gradient's error against one process on
-# the same weights and the same batch.
+# And why the bug survived in real trainers: **the loss curve looks right**. Train `TRAIN_STEPS`
+# steps of SGD on batches grouped by length, each way, and log the global loss correctly in every
+# run. At each step, also measure the gradient's error against one process on the same weights and
+# the same batch.
 
 # %%
 def train(rank, world_size, mean, steps, lr=LR, dtype=torch.float64):
@@ -493,18 +492,18 @@ for mean, r in runs.items():
 assert max(runs["global"]["errors"]) <= 1e-12
 
 # %% [markdown]
-# Every curve falls, and the buggy ones stay close to the fix's (a mean gap under 10% of its
-# fall), while at every step their gradient is off by more than 5%: by a median of 35% to 46%,
-# and up to 350%, in the output above. The bug does not stop
-# training: it trains on another objective, a mean in which the tokens of short lines, of small
-# micro-batches and of ranks with few tokens weigh more. Nothing in the curve says so; comparing
-# one step with one process, as this notebook does, does.
+# Every curve falls, and the buggy ones stay close to the fix's: a mean gap under 10% of its fall.
+# Yet at every step their gradient is off by more than 5%. The output above gives the median and the
+# largest error of each. The bug does not stop training: it trains on another objective. In that
+# mean, the tokens of short lines, of small micro-batches and of ranks with few tokens weigh more.
+# Nothing in the curve says so. Comparing one step with one process, as this notebook does, shows
+# it.
 #
 # ## When the per-rank mean is right
 #
-# When every rank and every micro-batch holds **the same number of tokens**: no padding and no
-# `ignore_index`, as when text is packed into pieces of one length (`gst.tokens.pack`). Then
-# 1 / (N · K · n) is 1 / Σ n, and every recipe above is the same:
+# The per-rank mean is right when every rank and every micro-batch holds **the same number of
+# tokens**. That means no padding and no `ignore_index`, as when text is packed into pieces of one
+# length (`gst.tokens.pack`). Then 1 / (N · K · n) is 1 / Σ n, and every recipe above is the same:
 
 # %%
 pieces = iter(gst.tokens.pack(WORLD_SIZE * MICRO_BATCHES * LINES_PER_MICRO_BATCH, 24))
@@ -518,9 +517,9 @@ for results in equal.values():
     assert results[torch.float64]["off"][0] <= 1e-12 and results[torch.float32]["off"][0] <= 1e-5
 
 # %% [markdown]
-# Equal counts per rank are not enough under accumulation: the micro-batches of each rank must
-# be equal too. Here every rank holds the same number of tokens, in a micro-batch of lines of 12
-# tokens and one of lines of 24 (in the other order on odd ranks):
+# Equal counts per rank are not enough under accumulation: the micro-batches of each rank must be
+# equal too. Here every rank holds the same number of tokens. One micro-batch holds lines of 12
+# tokens and the other lines of 24, in the other order on odd ranks:
 
 # %%
 short, long = gst.tokens.pack(2 * WORLD_SIZE, 12), gst.tokens.pack(2 * WORLD_SIZE, 24)
@@ -535,16 +534,17 @@ assert unequal_micro["per rank"][torch.float64]["off"][0] <= 1e-12
 assert unequal_micro["per micro-batch"][torch.float64]["off"][0] > 1e-2
 
 # %% [markdown]
-# Dropped or filtered samples, masked prompt tokens in fine-tuning, or a last partial batch
-# break the equality again, so counting is the safe default.
+# Dropped or filtered samples, masked prompt tokens in fine-tuning, or a last partial batch break
+# the equality again. So counting is the safe default.
 #
 # ## What counting costs
 #
-# One `all_reduce` of one number per step (section 2 counted it), whatever the size of the
-# model: in time, one small collective's latency (notebook 05's α), and one more point where
-# every rank waits for the others. Measured side by side: whole steps (forward, backward, DDP,
-# SGD) with the per-rank mean and with the global count, interleaved, for the lesson's model
-# (width 16) and a wider one (width 512, with a hidden layer), float32, 2 micro-batches.
+# Counting costs one `all_reduce` of one number per step (section 2 counted it), whatever the size
+# of the model. In time, that is one small collective's latency (notebook 05's α). It is also one
+# more point where every rank waits for the others. Measured side by side: whole steps (forward,
+# backward, DDP, SGD) with the per-rank mean and with the global count, interleaved. The models are
+# the lesson's (width 16) and a wider one (width 512, with a hidden layer), in float32, with 2
+# micro-batches.
 
 # %%
 def time_steps(rank, world_size, width, steps):
@@ -587,54 +587,58 @@ for width, t in timed.items():
 assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 
 # %% [markdown]
-# These steps last a few milliseconds, so one more collective is a visible share of them. Its
-# bytes do not grow with the model (one number); its time is latency and waiting, which on a
-# machine shared with other programs jumps from run to run (compare the two widths above), so
-# time your own step to see yours: the longer the step, the smaller the share. torchtitan keeps
-# the count on the GPU "so loss normalization does not introduce a CPU synchronization" (quoted
-# below).
+# These steps last a few milliseconds, so one more collective is a visible share of them. Its bytes
+# do not grow with the model: one number. Its time is latency and waiting. On a machine shared with
+# other programs, that time jumps from run to run (compare the two widths above). So time your own
+# step to see yours: the longer the step, the smaller the share. The torchtitan trainer keeps the
+# count on the GPU, to avoid a CPU synchronization (quoted below).
 #
 # ## How the frameworks spell it
 #
-# Both count the valid tokens of the whole step, micro-batches and ranks, before the first
-# backward, and divide a sum by that count; they differ in where the × N goes.
+# Both frameworks count the valid tokens of the whole step, micro-batches and ranks, before the
+# first backward. Both divide a sum by that count. They differ in where the × N goes.
 #
-# * **Hugging Face Trainer.** `Trainer.get_batch_samples` counts the step's labels that are not
-#   −100 over its micro-batches, `num_items_in_batch = sum([(batch["labels"].ne(-100)).sum() for
-#   batch in batch_samples])`, and with `average_tokens_across_devices` sums that over the
-#   processes: `num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()`. The
-#   model's loss then divides a sum by it (`fixed_cross_entropy`: `reduction = "sum"`, then
-#   `loss = loss / num_items_in_batch`), and `Trainer.compute_loss`, when the model or your
-#   `compute_loss_func` takes `num_items_in_batch`, multiplies by the number of processes,
-#   `loss *= self.accelerator.num_processes`, DDP's division undone: this notebook's sum /
-#   global count × N
+# | framework | counts | divides | × N |
+# |---|---|---|---|
+# | Hugging Face Trainer | `get_batch_samples`, then `accelerator.gather(...).sum()` | `fixed_cross_entropy`: sum / `num_items_in_batch` | yes: `loss *= self.accelerator.num_processes` |
+# | torchtitan | `dist_utils.dist_sum_tensor(local_valid_tokens, dp_mesh)` | `loss / global_valid_tokens` | no: `gradient_divide_factor=1.0` turns FSDP's division off |
+#
+# * **Hugging Face Trainer.** `Trainer.get_batch_samples` counts the step's labels that are not −100
+#   over its micro-batches:
+#   `num_items_in_batch = sum([(batch["labels"].ne(-100)).sum() for batch in batch_samples])`. With
+#   `average_tokens_across_devices` it sums that over the processes:
+#   `num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()`. The model's loss then
+#   divides a sum by it (`fixed_cross_entropy`: `reduction = "sum"`, then
+#   `loss = loss / num_items_in_batch`). `Trainer.compute_loss` then multiplies by the number of
+#   processes, `loss *= self.accelerator.num_processes`, when the model or your `compute_loss_func`
+#   takes `num_items_in_batch`. That undoes DDP's division: this notebook's sum / global count × N
 #   ([trainer.py](https://github.com/huggingface/transformers/blob/000945a9b726d87a93e61e873b88ff8f3cd411b5/src/transformers/trainer.py),
 #   [loss/loss_utils.py](https://github.com/huggingface/transformers/blob/0114da07ec0e101b420a923dedeb6032b6ac3a44/src/transformers/loss/loss_utils.py)).
-#   `TrainingArguments` documents the switch: "average_tokens_across_devices (`bool`,
-#   *optional*, defaults to `True`): Whether or not to average tokens across devices. If enabled,
-#   will use all_reduce to synchronize num_tokens_in_batch for precise loss calculation"
+#   `TrainingArguments` documents the switch: "average_tokens_across_devices (`bool`, *optional*,
+#   defaults to `True`): Whether or not to average tokens across devices. If enabled, will use
+#   all_reduce to synchronize num_tokens_in_batch for precise loss calculation"
 #   ([training_args.py](https://github.com/huggingface/transformers/blob/00349ae87eddc872ffa21a8a54f264375a0056a8/src/transformers/training_args.py)).
 # * **torchtitan.** Its training step adds up `local_valid_tokens` over the step's micro-batches
-#   (`(labels != IGNORE_INDEX).sum()`), then `global_valid_tokens =
-#   dist_utils.dist_sum_tensor(local_valid_tokens.to(self.device), dp_mesh)`, commented "Keep
-#   the global token count on device so loss normalization does not introduce a CPU
-#   synchronization in the training path"; the loss is a cross-entropy with `reduction="sum"`
-#   divided by it, `loss = loss / global_valid_tokens`, "local SUM loss / global_valid_tokens"
+#   (`(labels != IGNORE_INDEX).sum()`). Then
+#   `global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens.to(self.device), dp_mesh)`.
+#   The comment says: "Keep the global token count on device so loss normalization does not
+#   introduce a CPU synchronization in the training path". The loss is a cross-entropy with
+#   `reduction="sum"` divided by it, `loss = loss / global_valid_tokens`, "local SUM loss /
+#   global_valid_tokens"
 #   ([trainer.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/trainer.py),
 #   [components/loss.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/components/loss.py)).
-#   No × N: it turns the data-parallel division off instead, "Set gradient_divide_factor=1.0 to
-#   disable FSDP's automatic gradient division. We handle gradient scaling ourselves in the
+# There is no × N: it turns the data-parallel division off instead. "Set gradient_divide_factor=1.0
+#   to disable FSDP's automatic gradient division. We handle gradient scaling ourselves in the
 #   training loop with global token count"
-#   ([distributed/fsdp.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/fsdp.py)):
-#   notebook 02's SUM without dividing, the third spelling of section 2.
+#   ([distributed/fsdp.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/fsdp.py)).
+#   That is notebook 02's SUM without dividing, the third spelling of section 2.
 #
 # ## Copy this into your code
 #
-# `snippets/07_global_token_mean.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`, in plain torch: gradient accumulation under DDP
-# with the global token count, the loss to log, and the check, on every rank, that the gradient
-# is the one of one process on every rank's micro-batches (and that the per-micro-batch mean is
-# not).
+# `snippets/07_global_token_mean.py` is a whole script in plain torch. The course's tests run it
+# with `torchrun --standalone --nproc-per-node 2`. It does gradient accumulation under DDP with the
+# global token count, and computes the loss to log. On every rank it checks that the gradient is the
+# one of one process on every rank's micro-batches, and that the per-micro-batch mean is not.
 #
 # <!-- snippets/07_global_token_mean.py -->
 # ```python
@@ -762,21 +766,20 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #
 # ## Exercise
 #
-# Write `token_mean_backward(model, micro_batches)`, one step's backward passes under DDP.
-# `model` is a `DistributedDataParallel` model; `micro_batches` is this rank's list of
-# `(inputs, targets)` pairs, the targets padded with −100, and the ranks and micro-batches hold
-# different numbers of valid tokens. After it, every rank's `.grad` must hold the gradient of the
-# mean over **every valid token of every rank's micro-batches**, and it returns that mean loss,
-# a float, the same on every rank (the number to log). Count, `all_reduce` the count, divide each
-# micro-batch's loss sum by it, remember DDP's division by N, and let DDP synchronize only once
-# (`model.no_sync()`).
+# Write `token_mean_backward(model, micro_batches)`, one step's backward passes under DDP. `model`
+# is a `DistributedDataParallel` model. `micro_batches` is this rank's list of `(inputs, targets)`
+# pairs, the targets padded with −100. The ranks and micro-batches hold different numbers of valid
+# tokens. After it, every rank's `.grad` must hold the gradient of the mean over **every valid token
+# of every rank's micro-batches**. It returns that mean loss, a float, the same on every rank: the
+# number to log. Count, `all_reduce` the count, and divide each micro-batch's loss sum by it.
+# Remember DDP's division by N, and let DDP synchronize only once (`model.no_sync()`).
 #
 # The check runs it on 2 ranks with 4 micro-batches, then on 3 ranks with 3, on fresh random
-# sequences, and compares the gradients and the loss with one process on all of them; your
-# collectives must have delivered the global count, and the parameters and the micro-batches
-# must be left as they were. It prints "✓ correct", or says what is wrong (the mean per
-# micro-batch, a local count, a forgotten × N...); until you write the function, it says "not
-# attempted yet". Stuck? `%load solutions/07_token_mean_backward.py` in a new cell.
+# sequences. It compares the gradients and the loss with one process on all of them. Your
+# collectives must have delivered the global count. The parameters and the micro-batches must be
+# left as they were. It prints "✓ correct", or says what is wrong: the mean per micro-batch, a local
+# count, a forgotten × N... Until you write the function, it says "not attempted yet". Stuck? `%load
+# solutions/07_token_mean_backward.py` in a new cell.
 
 # %%
 def token_mean_backward(model, micro_batches):
