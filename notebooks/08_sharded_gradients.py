@@ -1,23 +1,29 @@
 # %% [markdown]
 # # 08 — Sharded gradients: reduce-scatter, ZeRO and FSDP2, and who divides by what
 #
-# **Question: when each rank keeps only a shard of the gradients, as in DeepSpeed ZeRO (its
-# "Zero Redundancy Optimizer") and FSDP2, where is the mean taken, and who divides by what?**
+# **Question: when each rank keeps only a shard of the gradients, as in ZeRO and FSDP2, who divides
+# by what?**
 #
-# In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own
-# copy of the optimizer state: N copies of the same numbers. Large models do not fit that way.
-# ZeRO and FSDP2 (`torch.distributed.fsdp.fully_shard`) cut the gradient into N shards (ZeRO
-# the flat gradient, FSDP2 the rows of each tensor). A **reduce-scatter** gives rank r the sum
-# over the ranks of shard r only; rank r updates shard r of the parameters with shard r of the
-# optimizer state; an **all-gather** then gives every rank every updated shard.
+# **Short answer:** divide once by N. Sharding takes the same mean as notebook 02, in another place:
+# by hand (÷ N, or `ReduceOp.AVG`), in FSDP2 by its *gradient divide factor*, and in DeepSpeed and
+# Megatron by settings quoted below from their own code. Two habits of the replicated world break. A
+# gradient norm computed on one rank's shard is not the gradient's norm. And notebook 02's
+# `average_gradients` cannot even run on FSDP2's gradients; nor is it needed, since they are already
+# averaged. Each sentence is measured below.
 #
-# **Short answer: the same mean as notebook 02, taken elsewhere.** A reduce-scatter and an
-# all-gather carry exactly the sums of one `all_reduce`, so the division by N is still needed,
-# once: by hand (÷ N, or `ReduceOp.AVG`), in FSDP2 by its *gradient divide factor* (by default
-# the mean), in DeepSpeed and Megatron by settings quoted below from their own code. Two habits
-# of the replicated world break: a gradient norm computed on one rank's shard is not the
-# gradient's norm, and notebook 02's `average_gradients` cannot even run on FSDP2's gradients
-# (nor is it needed: they are already averaged). Each sentence is measured below.
+# In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own copy of
+# the optimizer state: N copies of the same numbers. Large models do not fit that way. DeepSpeed's
+# **ZeRO** (its "Zero Redundancy Optimizer") and FSDP2 (`torch.distributed.fsdp.fully_shard`) cut
+# the gradient into N **shards**. ZeRO cuts the flat gradient; FSDP2 cuts the rows of each tensor.
+# The step then has three parts:
+#
+# 1. A **reduce-scatter** gives rank r the sum over the ranks of shard r only.
+# 2. Rank r updates shard r of the parameters with shard r of the optimizer state.
+# 3. An **all-gather** then gives every rank every updated shard.
+#
+# A reduce-scatter and an all-gather carry the sums of one `all_reduce`. On gloo they are equal bit
+# for bit (measured below). On NCCL they may add in another order (notebook 09). So the division by
+# N is still needed, once.
 
 # %%
 import os
@@ -60,11 +66,11 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # %% [markdown]
 # ## Reduce-scatter, then all-gather: the sums of one all-reduce
 #
-# Each rank starts with its own vector of 2N numbers (rank r's are 10^r times rank 0's). With
-# `reduce_scatter` (`dist.reduce_scatter_tensor` in older torch), rank r receives
-# the sum over the ranks of the r-th piece of 2 numbers, and nothing else. `all_gather` then
-# hands every rank every piece, in rank order: the whole sum, as `all_reduce` gives it.
-# `op=ReduceOp.AVG` makes the reduce-scatter return the mean instead of the sum.
+# Each rank starts with its own vector of 2N numbers; rank r's are 10^r times rank 0's. With
+# `reduce_scatter` (`dist.reduce_scatter_tensor` in older torch), rank r receives the sum over the
+# ranks of the r-th piece of 2 numbers, and nothing else. `all_gather` then hands every rank every
+# piece, in rank order. That is the whole sum, as `all_reduce` gives it. `op=ReduceOp.AVG` makes the
+# reduce-scatter return the mean instead of the sum.
 
 # %%
 def three_collectives(rank, world_size):
@@ -94,23 +100,24 @@ print(f"all_reduce: {whole_sum.tolist()} on every rank")
 print("reduce_scatter then all_gather: the same, bit for bit, on every rank")
 
 # %% [markdown]
-# A ring all-reduce (notebook 05 wrote one with `send` and `recv`,
-# `gst.averaging.ring_all_reduce`) works the same way inside:
-# a reduce-scatter phase, then an all-gather phase. Sharding stops after the first phase, does
-# the optimizer's work on 1/N of the numbers, and runs the second phase on the updated
-# parameters instead of the gradients.
+# A ring all-reduce works the same way inside: a reduce-scatter phase, then an all-gather phase.
+# (Notebook 05 wrote one with `send` and `recv`, `gst.averaging.ring_all_reduce`.) Sharding stops
+# after the first phase and does the optimizer's work on 1/N of the numbers. It runs the second
+# phase on the updated parameters instead of the gradients.
 #
 # ## ZeRO by hand, from notebook 02's loop
 #
-# DeepSpeed's ZeRO tutorial (`docs/_tutorials/zero.md` in deepspeedai/DeepSpeed) names the
-# stages: "**Stage 1**: The optimizer states [...] are partitioned across the processes, so
-# that each process updates only its partition. **Stage 2**: The reduced 16-bit gradients for
-# updating the model weights are also partitioned such that each process retains only the
-# gradients corresponding to its portion of the optimizer states. **Stage 3**: The 16-bit model
-# parameters are partitioned across the processes." Stage 2, by hand, for SGD with momentum:
-# the model's parameters live in one flat vector of N equal shards (the last one padded with
-# zeros); rank r keeps shard r of the gradient and of the momentum, and updates shard r of the
-# parameters with `torch.optim.SGD` itself.
+# DeepSpeed's ZeRO tutorial (`docs/_tutorials/zero.md` in deepspeedai/DeepSpeed) names the stages:
+#
+# > "**Stage 1**: The optimizer states [...] are partitioned across the processes, so that each >
+# process updates only its partition. **Stage 2**: The reduced 16-bit gradients for updating the >
+# model weights are also partitioned such that each process retains only the gradients >
+# corresponding to its portion of the optimizer states. **Stage 3**: The 16-bit model parameters >
+# are partitioned across the processes."
+#
+# Here is stage 2 by hand, for SGD with momentum. The model's parameters live in one flat vector of
+# N equal shards; the last one is padded with zeros. Rank r keeps shard r of the gradient and of the
+# momentum. It updates shard r of the parameters with `torch.optim.SGD` itself.
 
 # %%
 class ShardedSGD:
@@ -149,8 +156,8 @@ class ShardedSGD:
 
 
 # %% [markdown]
-# The training loop is notebook 02's, read from notebook 02, with the optimizer replaced:
-# `average(model)` goes, since `step()` now does the averaging, and the rest stays.
+# The training loop is notebook 02's, read from notebook 02, with the optimizer replaced.
+# `average(model)` goes, since `step()` now does the averaging; the rest stays.
 
 # %% tags=["training-loop"]
 def train(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32):
@@ -184,10 +191,10 @@ changes = gst.notebooks.show_diff(train_02, train, names=("02: train", "08: trai
 assert changes == 3
 
 # %% [markdown]
-# Three places: the signature loses `average`, the optimizer is `ShardedSGD`, and the
-# `average(model)` call is gone, since `step()` now averages. Run against notebook 02's
-# loop and notebook 03's DDP loop, both read from their notebooks and given this notebook's
-# images, in float64 with dropout off, as notebook 02 compared whole runs:
+# Three places change: the signature loses `average`, the optimizer is `ShardedSGD`, and the
+# `average(model)` call is gone. We run it against notebook 02's loop and notebook 03's DDP loop.
+# Both are read from their notebooks and given this notebook's images. The runs are in float64 with
+# dropout off, as notebook 02 compared whole runs:
 
 # %%
 train_03 = gst.notebooks.load_function("03_distributed_data_parallel", "train")
@@ -212,10 +219,10 @@ assert vs_02 <= 1e-12 and vs_03 <= 1e-12 and between_ranks == 0.0
 # %% [markdown]
 # ### The bytes each rank holds
 #
-# Counted from the tensors after one step (`nbytes` of each), for notebook 02's replicated
-# SGD and for `ShardedSGD`, float32. The parameters stay whole in stage 2 (each rank runs the
-# whole model); the gradient and the momentum shrink to 1/N. `ShardedSGD` also holds its
-# parameter shard, the 1/N copy its optimizer updates.
+# The bytes are counted from the tensors after one step (`nbytes` of each), in float32. We count
+# them for notebook 02's replicated SGD and for `ShardedSGD`. The parameters stay whole in stage 2,
+# since each rank runs the whole model. The gradient and the momentum shrink to 1/N. `ShardedSGD`
+# also holds its parameter shard, the 1/N copy its optimizer updates.
 
 # %%
 def bytes_per_rank(rank, world_size):
@@ -261,19 +268,19 @@ assert zero_held["gradient"] == zero_held["momentum"] == shard_bytes  # 1/N each
 assert all(h == held[0] for h in held)  # every rank holds as much
 
 # %% [markdown]
-# During `backward()` the whole gradient still exists here, until `step()` reduce-scatters
-# it. FSDP2 does better: it reduce-scatters each `fully_shard`ed module's gradients during
-# backward, module by module (counted below), and shards the parameters too.
+# During `backward()` the whole gradient still exists here, until `step()` reduce-scatters it. FSDP2
+# does better. It reduce-scatters each `fully_shard`ed module's gradients during backward, module by
+# module (counted below), and shards the parameters too.
 #
 # ## FSDP2: `fully_shard` on a CPU device mesh
 #
-# FSDP2 shards the parameters too: stage 3 in DeepSpeed's words. `fully_shard(model,
-# mesh=...)` replaces every parameter by a **DTensor**, a tensor of which each rank stores one
-# shard of rows (`Shard(dim=0)`); before the module's forward and backward it all-gathers them,
-# after backward it reduce-scatters the gradients. The device mesh lists the ranks:
-# `init_device_mesh("cpu", (N,))` with gloo here, `init_device_mesh("cuda", (N,))` with nccl on
-# GPUs (`device.type` picks it). The loop is notebook 03's, with one line in place of
-# `DDP(model)` and whole tensors in the state dict:
+# FSDP2 shards the parameters too: stage 3 in DeepSpeed's words. `fully_shard(model, mesh=...)`
+# replaces every parameter by a **DTensor**. Each rank stores one shard of a DTensor's rows
+# (`Shard(dim=0)`). Before the module's forward and backward, FSDP2 all-gathers them. After backward
+# it reduce-scatters the gradients. The device mesh lists the ranks. It is `init_device_mesh("cpu",
+# (N,))` with gloo here, and `init_device_mesh("cuda", (N,))` with nccl on GPUs (`device.type` picks
+# it). The loop is notebook 03's, with one line in place of `DDP(model)` and whole tensors in the
+# state dict:
 
 # %% tags=["training-loop"]
 def train_fsdp(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32):
@@ -323,12 +330,12 @@ assert all(gap <= 1e-12 for gap in fsdp_vs.values())
 # %% [markdown]
 # ### Module by module, and the bytes
 #
-# Real models call `fully_shard` on each block, then on the model: each block's parameters
-# are all-gathered just before its forward (and again for its backward), and its gradients
-# reduce-scattered as soon as its backward is done; torch's `foreach_reduce` frees the whole
-# gradients then ("Only after the copy-in finishes can we free the gradients", checked below
-# against the installed torch). Each layer of the course's `Net` as a block, counting the
-# collectives of one forward and one backward, then the bytes held after one step:
+# Real models call `fully_shard` on each block, then on the model. Each block's parameters are
+# all-gathered just before its forward, and again for its backward. Its gradients are
+# reduce-scattered as soon as its backward is done. Torch's `foreach_reduce` then frees the whole
+# gradients: "Only after the copy-in finishes can we free the gradients" (checked below against the
+# installed torch). Here each layer of the course's `Net` is a block. We count the collectives of
+# one forward and one backward, then the bytes held after one step:
 
 # %%
 def per_layer(rank, world_size):
@@ -374,17 +381,17 @@ for kind in ("parameters", "gradient", "momentum"):  # the ranks' shards add up 
     assert held_fsdp[0][kind] == 4 * rows_of_rank_0  # 1/N, give or take a row per tensor
 
 # %% [markdown]
-# In FSDP2 every kind of state is 1/N per rank (a parameter's rows split unevenly when their
-# number is not a multiple of N). A block's whole parameters exist only while it runs: the
-# all-gathers in backward fetch again what forward freed.
+# In FSDP2 every kind of state is 1/N per rank. (A parameter's rows split unevenly when their number
+# is not a multiple of N.) A block's whole parameters exist only while it runs: the all-gathers in
+# backward fetch again what forward freed.
 #
 # ### DTensors, and what a rank returns
 #
-# Inside the ranks each parameter is a DTensor: its global shape, its placement, and the rows
-# this rank stores (`to_local()`); `full_tensor()` all-gathers the whole tensor, so every rank
-# must call it. A DTensor returned as is reaches the notebook as the rank's shard, a plain
-# tensor (it names the ranks' process group, which the notebook does not have), and the
-# launcher says so under the cell.
+# Inside the ranks each parameter is a DTensor. It has a global shape, a placement, and the rows
+# this rank stores (`to_local()`). `full_tensor()` all-gathers the whole tensor, so every rank must
+# call it. A DTensor returned as is reaches the notebook as the rank's shard, a plain tensor. (It
+# names the ranks' process group, which the notebook does not have.) The launcher says so under the
+# cell.
 
 # %%
 def dtensors(rank, world_size):
@@ -407,12 +414,12 @@ def dtensors(rank, world_size):
 held_by = gst.launch(dtensors, world_size=WORLD_SIZE)
 
 # %% [markdown]
-# `Shard(dim=0)` cuts the rows in rank order, so the ranks' shards, concatenated, are the whole
-# tensors: the state dict that `full_tensor()` returns. That gathers the whole model onto
-# every rank: fine for a check, not for a checkpoint at scale. To checkpoint FSDP2, use
-# `torch.distributed.checkpoint.save`: it "handles [...] DTensor by having each rank only save
-# their local shards", in its documentation's words (checked below). The snippet at the end
-# saves and loads that way.
+# `Shard(dim=0)` cuts the rows in rank order. So the ranks' shards, concatenated, are the whole
+# tensors: the state dict that `full_tensor()` returns. That gathers the whole model onto every
+# rank: fine for a check, not for a checkpoint at scale. To checkpoint FSDP2, use
+# `torch.distributed.checkpoint.save`. In its documentation's words, it "handles [...] DTensor by
+# having each rank only save their local shards" (checked below). The snippet at the end saves and
+# loads that way.
 
 # %%
 for name, full in held_by[0]["full"].items():
@@ -426,9 +433,9 @@ assert "DTensor`` by having each rank only save their local shards" in " ".join(
     dcp.save.__doc__.split())
 
 # %% [markdown]
-# Unlike `DDP(model)`, `fully_shard` broadcasts nothing: each rank keeps its own rows of the
-# tensors it built. Seeded apart (notebook 02's bug), the ranks hold pieces of different
-# initializations, and no error says so. Seed every rank the same, or load a checkpoint:
+# Unlike `DDP(model)`, `fully_shard` broadcasts nothing: each rank keeps its own rows of the tensors
+# it built. Seeded apart (notebook 02's bug), the ranks hold pieces of different initializations,
+# and no error says so. Seed every rank the same, or load a checkpoint:
 
 # %%
 own = [r["own"] for r in held_by]
@@ -442,15 +449,19 @@ assert not torch.equal(held_by[0]["seeded apart"], own[0])
 # %% [markdown]
 # ### The divide factor
 #
-# FSDP2's reduce-scatter divides by a *gradient divide factor*, `None` by default: the mean.
-# What it sends is set in torch's `_get_gradient_divide_factors`
-# (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`), quoted and checked against the
-# installed torch below: for float32 and bfloat16, `ReduceOp.AVG`; a factor other than the
-# group size becomes `ReduceOp.PREMUL_SUM(1 / factor)` (× 1/factor, then the sum); with
-# `set_force_sum_reduction_for_comms(True)`, `ReduceOp.SUM`, then ÷ the factor; in float16
-# and float64 ("overflow risk"), `ReduceOp.SUM` with ÷ about √factor before and the rest after.
-# One backward on the course's model, each rank its own 8 images, recording the reduce-scatter
-# FSDP2 calls:
+# FSDP2's reduce-scatter divides by a *gradient divide factor*, `None` by default: the mean. Torch's
+# `_get_gradient_divide_factors` (`torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`) sets
+# what it sends. Quoted and checked against the installed torch below:
+#
+# | case | op sent |
+# |---|---|
+# | float32 and bfloat16, the default | `ReduceOp.AVG` |
+# | a factor other than the group size | `ReduceOp.PREMUL_SUM(1 / factor)`: × 1/factor, then the sum |
+# | `set_force_sum_reduction_for_comms(True)` | `ReduceOp.SUM`, then ÷ the factor |
+# | float16 and float64 ("overflow risk") | `ReduceOp.SUM`, with ÷ about √factor before and the rest after |
+#
+# Here is one backward on the course's model, each rank with its own 8 images. We record the
+# reduce-scatter FSDP2 calls:
 
 # %%
 quoted = ["return None, None, ReduceOp.AVG, ReduceOp.AVG",
@@ -526,10 +537,10 @@ assert [r["op"] for r in divided.values()] == ["AVG", "SUM", "AVG", "SUM"]
 assert [round(ratio(r)[0], 4) for r in divided.values()] == [1, 1, 1, WORLD_SIZE]
 
 # %% [markdown]
-# Whatever the op, the default is the mean: FSDP2 equals DDP's averaging, with no division to
-# write. A factor of 1.0 turns the division off, and the ranks' gradients are summed (N× the
-# mean above). Without `set_force_sum_reduction_for_comms(True)`, that factor is sent as
-# `PREMUL_SUM`, which gloo does not have:
+# Whatever the op, the default is the mean: FSDP2 equals DDP's averaging, with no division to write.
+# A factor of 1.0 turns the division off, and the ranks' gradients are summed (N× the mean above).
+# Without `set_force_sum_reduction_for_comms(True)`, that factor is sent as `PREMUL_SUM`, which gloo
+# does not have:
 
 # %%
 on_gpus = torch.cuda.device_count() >= WORLD_SIZE  # then gst.launch runs nccl, else gloo
@@ -543,19 +554,18 @@ except gst.RankFailedError as error:
     assert not on_gpus and premul_error == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
 
 # %% [markdown]
-# `ReduceOp.PREMUL_SUM(f)` multiplies each rank's tensor by `f`, then sums: a division folded
-# into the collective. Installed torch's `ReduceOp` docstring says it "is available with the
-# `NCCL` backend (NCCL versions 2.11 or later) and the `XCCL` backend"; gloo refuses it (the
-# launcher stopped these ranks, and the next launch starts fresh ones, which also sidesteps a
-# process group a refused op may have left unusable). With nccl the factor alone should do,
-# PREMUL_SUM being documented there (the cell above checks it when it runs on a GPU per rank).
-# On gloo, force the sum: FSDP2 then sends `ReduceOp.SUM` and divides by the factor itself,
-# the table's last line.
+# `ReduceOp.PREMUL_SUM(f)` multiplies each rank's tensor by `f`, then sums: a division folded into
+# the collective. Installed torch's `ReduceOp` docstring says it "is available with the `NCCL`
+# backend (NCCL versions 2.11 or later) and the `XCCL` backend". Gloo refuses it. The launcher
+# stopped these ranks, and the next launch starts fresh ones. That also sidesteps a process group
+# that a refused op may have left unusable. With nccl the factor alone should do, since PREMUL_SUM
+# is documented there. The cell above checks it when it runs on a GPU per rank. On gloo, force the
+# sum: FSDP2 then sends `ReduceOp.SUM` and divides by the factor itself, the table's last line.
 #
-# **Why a factor of 1 is the knob for notebook 07's token-count losses.** When each rank's loss
-# is its *sum* over its tokens divided by the *global* number of tokens, the gradients must be
-# summed over the ranks, not averaged: the mean is already in the loss. With uneven token
-# counts (rank r has 8 (r + 1) samples here), measured against one process's mean over every
+# **Why a factor of 1 is the knob for notebook 07's token-count losses.** Let each rank's loss be
+# its *sum* over its tokens divided by the *global* number of tokens. The gradients must then be
+# summed over the ranks, not averaged: the mean is already in the loss. We measure it with uneven
+# token counts, where rank r has 8 (r + 1) samples. The reference is one process's mean over every
 # sample:
 
 # %%
@@ -571,22 +581,22 @@ assert abs(ratio(tokens["default (AVG)"])[0] - 1 / WORLD_SIZE) < 1e-6  # divided
 assert abs(ratio(tokens["factor 1.0 + force_sum"])[0] - 1) < 1e-6  # right
 
 # %% [markdown]
-# With the default the gradient is 1/N of the right one: the loss divided by the global count,
-# then FSDP2 divided again by N. Under SGD that is a learning rate / N (notebook 02's lesson
-# turned around). Here the model is one FSDP unit, and `model.set_gradient_divide_factor(1.0)`,
-# plus `model.set_force_sum_reduction_for_comms(True)` on gloo, fixes it. (Under DDP, which
-# always divides by N, the same loss is multiplied by N instead.)
+# With the default the gradient is 1/N of the right one. The loss was divided by the global count,
+# then FSDP2 divided again by N. Under SGD that is a learning rate / N: notebook 02's lesson turned
+# around. Here the model is one FSDP unit. `model.set_gradient_divide_factor(1.0)` fixes it, plus
+# `model.set_force_sum_reduction_for_comms(True)` on gloo. (DDP always divides by N, so under DDP
+# the same loss is multiplied by N instead.)
 #
 # ### With `fully_shard` on each block: set it on every `FSDPModule`
 #
 # Neither setter recurses: each acts on the one `FSDPModule` it is called on. Unlike
-# `set_requires_gradient_sync(..., recurse=True)`, they take no `recurse` argument (checked
-# below). With `fully_shard` on each block, then on the root, the root's call misses every
-# block. torchtitan loops over `model.modules()` instead. Its `disable_fsdp_gradient_division`
-# (`torchtitan/distributed/fsdp.py`, pytorch/torchtitan@b5bcd76) says: "Disable FSDP's
-# automatic gradient division for all FSDP modules." And: "We handle gradient scaling
-# ourselves in the training loop with global token count." The same loop, with the sum forced
-# on every backend, against the root alone, on the course's model with each layer a block:
+# `set_requires_gradient_sync(..., recurse=True)`, they take no `recurse` argument (checked below).
+# With `fully_shard` on each block, then on the root, the root's call misses every block. torchtitan
+# loops over `model.modules()` instead. Its `disable_fsdp_gradient_division`
+# (`torchtitan/distributed/fsdp.py`, pytorch/torchtitan@b5bcd76) says: "Disable FSDP's automatic
+# gradient division for all FSDP modules." And: "We handle gradient scaling ourselves in the
+# training loop with global token count." Below is the same loop, with the sum forced on every
+# backend, against the root alone. The model is the course's, with each layer a block:
 
 # %%
 def sum_gradients_over_ranks(model):
@@ -624,17 +634,16 @@ assert set(blocks["every FSDPModule"]["ops"]) == {"SUM"}
 assert all(abs(c - 1) < 1e-6 for c, _ in every)  # the token-weighted mean, exactly
 
 # %% [markdown]
-# Set on the root only, every gradient is 1/N of the right one, and nothing warns: the
-# blocks kept their default mean, and the root holds no parameters of its own. Set on every
-# `FSDPModule`, the gradient is one process's. `snippets/08_fsdp2.py` uses this loop and
-# checks it.
+# Set on the root only, every gradient is 1/N of the right one, and nothing warns. The blocks kept
+# their default mean, and the root holds no parameters of its own. Set on every `FSDPModule`, the
+# gradient is one process's. `snippets/08_fsdp2.py` uses this loop and checks it.
 #
 # ### Accumulating micro-batches: `set_requires_gradient_sync(False)`
 #
-# DDP's `no_sync()` (notebook 04) has an FSDP2 counterpart: with
-# `model.set_requires_gradient_sync(False)` backward keeps whole, unreduced gradients, and the
-# next backward with sync on reduce-scatters their sum once. Two micro-batches of 8 images,
-# each loss halved, against one process on all the ranks' images:
+# DDP's `no_sync()` (notebook 03) has an FSDP2 counterpart. With
+# `model.set_requires_gradient_sync(False)`, backward keeps whole, unreduced gradients. The next
+# backward with sync on reduce-scatters their sum once. Each rank runs two micro-batches of 8
+# images, each loss halved. One process on all the images is the reference:
 
 # %%
 def accumulate(rank, world_size):
@@ -667,13 +676,12 @@ assert accumulated["reduce_scatters"] == 1 and accumulated["gap"] < 1e-6
 #
 # ### A gradient norm over one rank's shard
 #
-# `clip_grad_norm_(parameters, max_norm)` rescales the gradient when its norm exceeds
-# `max_norm`. The norm of the whole gradient is $\sqrt{\sum_r \|g_r\|^2}$ over the ranks'
-# shards $g_r$: each rank alone sees one term. On FSDP2's DTensors, `clip_grad_norm_` computes
-# the global norm (DTensor's norm all-reduces the squares). A rank that computes it on its own
-# shard, as ZeRO by hand invites (`self.shard.grad`), or on FSDP2's `to_local()` shards, gets
-# another number on every rank. By hand, the right one is one `all_reduce` of the squared
-# norms:
+# `clip_grad_norm_(parameters, max_norm)` rescales the gradient when its norm exceeds `max_norm`.
+# The norm of the whole gradient is $\sqrt{\sum_r \|g_r\|^2}$ over the ranks' shards $g_r$. Each
+# rank alone sees one term. On FSDP2's DTensors, `clip_grad_norm_` computes the global norm:
+# DTensor's norm all-reduces the squares. ZeRO by hand invites a rank to compute it on its own shard
+# (`self.shard.grad`), and so do FSDP2's `to_local()` shards. That gives another number on every
+# rank. By hand, the right one is one `all_reduce` of the squared norms:
 
 # %%
 def gradient_norms(rank, world_size, max_norm):
@@ -723,16 +731,16 @@ assert abs(sum(n["shard"] ** 2 for n in norms) - norms[0]["FSDP2"] ** 2) < 1e-5
 assert clipped_gap < 1e-6
 
 # %% [markdown]
-# Each shard's norm is smaller than the gradient's (about 1/√N of it when the shards hold
-# equal shares), so each rank clips too little, each by its own factor, and nothing raises:
-# the update is larger than `max_norm` allows, and no longer the gradient rescaled.
-# `clip_grad_norm_` on FSDP2's parameters does it right, equal to one process; for shards of
-# your own, all-reduce the squared norms (the exercise below).
+# Each shard's norm is smaller than the gradient's: about 1/√N of it when the shards hold equal
+# shares. So each rank clips too little, each by its own factor, and nothing raises. The update is
+# larger than `max_norm` allows, and no longer the gradient rescaled. `clip_grad_norm_` on FSDP2's
+# parameters does it right, equal to one process. For shards of your own, all-reduce the squared
+# norms (the exercise below).
 #
 # ### Notebook 02's `average_gradients` on an FSDP2 model
 #
-# After `backward()`, FSDP2's gradients are DTensors, already averaged over the ranks. The
-# classic loop calls `dist.all_reduce(param.grad)` on them:
+# After `backward()`, FSDP2's gradients are DTensors, already averaged over the ranks. The classic
+# loop calls `dist.all_reduce(param.grad)` on them:
 
 # %%
 def average_gradients(model):  # notebook 02's, unchanged
@@ -776,9 +784,9 @@ assert classic_error.exc_type == "NotImplementedError"
 assert "c10d.allreduce_.default does not have a sharding strategy" in classic_error.message
 
 # %% [markdown]
-# A DTensor refuses `all_reduce`: the collective knows nothing of its placement. The tempting
-# fix, `all_reduce(param.grad.to_local())`, runs without a word on `conv2.weight`, whose
-# shards have the same shape on every rank:
+# A DTensor refuses `all_reduce`: the collective knows nothing of its placement. The tempting fix is
+# `all_reduce(param.grad.to_local())`. It runs without a word on `conv2.weight`, whose shards have
+# the same shape on every rank:
 
 # %%
 silent = gst.launch(partial(classic_on_fsdp, on_shards=True), world_size=WORLD_SIZE)[0]
@@ -788,14 +796,14 @@ print(f"FSDP2's conv2.weight.grad vs one process, right after backward(): max |d
 assert silent["already averaged"] < 1e-6 and silent["after"] > 1e-3
 
 # %% [markdown]
-# The gradients were right after `backward()`; the "fix" replaced each rank's rows by the mean
-# of different rows of the ranks. With FSDP2, write no averaging at all.
+# The gradients were right after `backward()`. The "fix" replaced each rank's rows by the mean of
+# different rows of the ranks. With FSDP2, write no averaging at all.
 #
 # ## Which reduce ops each backend accepts
 #
-# Computed here, each op on a fresh process group (a refused `PREMUL_SUM` may break the group it
-# ran on), for `all_reduce` and `reduce_scatter`, on float32 and int64 tensors. Where this
-# machine has no GPU per rank, the nccl column quotes the documentation instead.
+# Each op is computed here on a fresh process group, since a refused `PREMUL_SUM` may break the
+# group it ran on. We try `all_reduce` and `reduce_scatter`, on float32 and int64 tensors. Where
+# this machine has no GPU per rank, the nccl column quotes the documentation instead.
 
 # %%
 def reduce_ops(rank, world_size, backend):
@@ -857,19 +865,18 @@ assert all(gloo["PREMUL_SUM", d, c] == "Cannot use ReduceOp.PREMUL_SUM with Gloo
 assert "only available with the ``NCCL`` backend" in documented["AVG"]
 
 # %% [markdown]
-# So on gloo `AVG` works for floats, although the installed `ReduceOp` docstring (quoted
-# above) still calls it NCCL-only: gloo gained it in pytorch#149781 ("This is a simple SUM +
-# division", to run FSDP on CPUs). For integers it fails: the division's float result cannot be
-# written back into an int64 tensor. `PREMUL_SUM` is refused outright: on gloo, divide
-# yourself (`SUM`, then ÷ N) or use `AVG`. For nccl and integers, NCCL's own code
-# (`FuncSumPostDiv` in `src/device/reduce_kernel.h`, NVIDIA/nccl) sums, then divides, rounding
-# toward zero.
+# So on gloo `AVG` works for floats, although the installed `ReduceOp` docstring (quoted above)
+# still calls it NCCL-only. Gloo gained it in pytorch#149781 ("This is a simple SUM + division", to
+# run FSDP on CPUs). For integers it fails: the division's float result cannot be written back into
+# an int64 tensor. `PREMUL_SUM` is refused outright. On gloo, divide yourself (`SUM`, then ÷ N) or
+# use `AVG`. For nccl and integers, NCCL's own code sums, then divides, rounding toward zero
+# (`FuncSumPostDiv` in `src/device/reduce_kernel.h`, NVIDIA/nccl).
 #
 # ## Who divides by what
 #
-# Every library computes the same mean; they differ in where the division goes and how you
-# turn it off. Each row is quoted from the library's own documentation or code (file, commit),
-# and its formula is emulated below with real collectives.
+# Every library computes the same mean. They differ in where the division goes and how you turn it
+# off. Each row is quoted from the library's own documentation or code (file, commit). Its formula
+# is emulated below with real collectives.
 #
 # | library | where the 1/N goes | how to turn it off (token-count losses) |
 # |---|---|---|
@@ -878,9 +885,9 @@ assert "only available with the ``NCCL`` backend" in documented["AVG"]
 # | DeepSpeed | `gradient_predivide_factor` p: "Before mean gradient allreduce, predivide gradients by a specified factor; this can sometimes help with fp16 stability when scaling to large numbers of GPUs" (default 1.0); `prescale_gradients`: "Scale gradients before doing mean allreduce" (default false) (`docs/_pages/config-json.md`). `allreduce_bucket` in `deepspeed/runtime/engine.py`: × 1/p, `all_reduce`, × p/N; with `prescale_gradients`, × 1/N then `all_reduce`. ZeRO 1/2 with `reduce_scatter` asserts p = 1.0 and divides the bucket by N before reducing (`average_tensor`, `deepspeed/runtime/zero/stage_1_and_2.py`; deepspeedai/DeepSpeed@edaa722) | `gradient_allreduce_op: "sum"`: "to keep the unscaled sum" (stages 0, 1 and 2) |
 # | Megatron | `average_in_collective`: "If true, compute average in collective directly, as opposed to dividing by the dp_size first and then computing sum in the collective" (default False: `gradient_scaling_factor = 1.0 / data_parallel_world_size`, then `SUM`; True: factor 1.0 and `ReduceOp.AVG`) (`megatron/core/distributed/distributed_data_parallel_config.py`, `distributed_data_parallel.py`, `param_and_grad_buffer.py`; NVIDIA/Megatron-LM@d98e8a6) | `calculate_per_token_loss`: `gradient_scaling_factor = 1.0`, `SUM`; `finalize_model_grads` all-reduces `num_tokens` and scales by `1.0 / num_tokens` |
 #
-# The emulation: each rank's gradient is 6 random numbers (for the token-count rows, the sum
-# over its `n_r` tokens, `n_r` different on every rank); each formula, run with real
-# collectives, against the mean (or the token-weighted mean) computed from every rank's
+# In the emulation, each rank's gradient is 6 random numbers. For the token-count rows it is the sum
+# over its `n_r` tokens, with `n_r` different on every rank. Each formula runs with real
+# collectives. It is compared with the mean, or the token-weighted mean, computed from every rank's
 # numbers:
 
 # %%
@@ -936,11 +943,10 @@ for name, value in formulas["token_means"].items():
     assert gap < 1e-6
 
 # %% [markdown]
-# Why divide *before* the sum at all, as DDP, DeepSpeed's predivide and FSDP2's float16 (and
-# float64) path do? A sum can overflow where the mean does not. FSDP2's code says it ("To avoid
-# overflow/underflow, we divide by ~sqrt(N) before/after the reduction"), and so does
-# DeepSpeed's "fp16 stability". In float16, whose largest number is 65,504, with every rank
-# holding 40,000:
+# Why divide *before* the sum at all, as DDP, DeepSpeed's predivide and FSDP2's float16 and float64
+# path do? A sum can overflow where the mean does not. FSDP2's code says it: "To avoid
+# overflow/underflow, we divide by ~sqrt(N) before/after the reduction". So does DeepSpeed's "fp16
+# stability". Here in float16, whose largest number is 65,504, with every rank holding 40,000:
 
 # %%
 def overflow(rank, world_size):
@@ -959,15 +965,14 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/08_fsdp2.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`: notebook 06's `init_distributed()`, a device mesh
-# on the device's type, `fully_shard` on each layer and on the model, and gradient clipping with
-# the global norm. It checkpoints with `torch.distributed.checkpoint` (DCP), each rank writing
-# its own shards. Its `sum_gradients_over_ranks` is the loop above, for token-count losses. It
-# ends by checking three things on every rank. Three steps equal one process's on the whole
-# batch. The checkpoint loads back. A token-count loss on uneven ranks gets one process's
-# gradient. The whole tensors of its `full_tensor()` state dict are for the check only: they
-# gather the whole model onto every rank.
+# `snippets/08_fsdp2.py` is a whole script. The course's tests run it with `torchrun --standalone
+# --nproc-per-node 2`. It has notebook 06's `init_distributed()`, a device mesh on the device's
+# type, and `fully_shard` on each layer and on the model. It clips gradients with the global norm.
+# It checkpoints with `torch.distributed.checkpoint` (DCP), each rank writing its own shards. Its
+# `sum_gradients_over_ranks` is the loop above, for token-count losses. It ends by checking three
+# things on every rank. Three steps equal one process's on the whole batch. The checkpoint loads
+# back. A token-count loss on uneven ranks gets one process's gradient. The whole tensors of its
+# `full_tensor()` state dict are for the check only: they gather the whole model onto every rank.
 #
 # <!-- snippets/08_fsdp2.py -->
 # ```python
@@ -1114,18 +1119,18 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # %% [markdown]
 # ## Exercise
 #
-# Write `average_and_clip_shard(flat_grad, max_norm)`, the heart of a sharded optimizer step.
-# Every rank passes its own whole flat gradient (its length a multiple of the world size);
-# return this rank's shard of the **mean** gradient (shard r: elements `r * size` to
-# `(r + 1) * size`, with `size = len(flat_grad) // world_size`), clipped as `clip_grad_norm_`
-# clips: multiplied by `min(1, max_norm / (norm + 1e-6))`, where `norm` is the norm of the
-# *whole* mean gradient. One `reduce_scatter`, then one `all_reduce` of a single number.
+# Write `average_and_clip_shard(flat_grad, max_norm)`, the heart of a sharded optimizer step. Every
+# rank passes its own whole flat gradient, its length a multiple of the world size. Return this
+# rank's shard of the **mean** gradient. Shard r holds elements `r * size` to `(r + 1) * size`, with
+# `size = len(flat_grad) // world_size`. Clip it as `clip_grad_norm_` clips: multiply it by `min(1,
+# max_norm / (norm + 1e-6))`. Here `norm` is the norm of the *whole* mean gradient. Use one
+# `reduce_scatter`, then one `all_reduce` of a single number.
 #
-# The check runs it on 2 and on 3 ranks (shards of 12, then 10 numbers), with and without
-# clipping, against the reference; it looks at what your collectives delivered, and `flat_grad`
-# must be left as it was (it is the caller's). It prints "✓ correct", or fails with what is
-# wrong; until you write the function, it says "not attempted yet". Stuck?
-# `%load solutions/08_average_and_clip_shard.py` in a new cell.
+# The check runs it on 2 and on 3 ranks, with shards of 12, then 10 numbers. It runs with and
+# without clipping, against the reference. It looks at what your collectives delivered. `flat_grad`
+# must be left as it was, since it is the caller's. It prints "✓ correct", or fails with what is
+# wrong. Until you write the function, it says "not attempted yet". Stuck? `%load
+# solutions/08_average_and_clip_shard.py` in a new cell.
 
 # %%
 def average_and_clip_shard(flat_grad, max_norm):
