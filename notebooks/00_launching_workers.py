@@ -61,8 +61,8 @@ finally:
 assert spawn_failed
 
 # %% [markdown]
-# Once one child has died, `spawn` stops the other, and torch may log a warning that it did so (`via
-# signal SIGTERM`). The last line each child wrote is the cause:
+# Once one child has died, `spawn` stops the other, and torch may log a warning that it did so
+# (`via signal SIGTERM`). The last line each child wrote is the cause:
 
 # %% tags=["nbval-check-output"]
 children_stderr.seek(0)
@@ -231,8 +231,8 @@ except gst.LaunchTimeoutError as err:
 # %% [markdown]
 # ## Exercise
 #
-# Write `gather_ranks(rank, world_size)` so that **every rank returns the list `[0, 1, ...,
-# world_size - 1]`**. Each rank knows only its own number, so it must learn the others.
+# Write `gather_ranks(rank, world_size)` so that **every rank returns the list
+# `[0, 1, ..., world_size - 1]`**. Each rank knows only its own number, so it must learn the others.
 # `dist.all_gather(tensor_list, tensor)` fills `tensor_list[i]` with rank `i`'s `tensor`, on every
 # rank. `tensor_list` must hold one tensor per rank, each of the same shape and dtype as `tensor`.
 #

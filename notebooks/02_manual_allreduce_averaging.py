@@ -590,10 +590,10 @@ assert "max_norm / (total_norm + 1e-6)" in clip_code
 #
 # * **`clip_grad_norm_`** sees the N times larger norm. No division with `max_norm` equals averaging
 #   with `max_norm / N` (and $\epsilon / N$).
-# * **Adam's `weight_decay`** is an L2 term added to the gradient before the moments: `grad + wd *
-#   param`. With an N times larger gradient it weighs N times less. So no division equals averaging
-#   with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly, apart from the
-#   gradient, so its decay is unaffected.
+# * **Adam's `weight_decay`** is an L2 term added to the gradient before the moments:
+#   `grad + wd * param`. With an N times larger gradient it weighs N times less. So no division
+#   equals averaging with `wd / N` (and $\epsilon / N$). `AdamW` decays the weights directly, apart
+#   from the gradient, so its decay is unaffected.
 #
 # Measured over the first `SHORT` steps on the ranks:
 
@@ -664,9 +664,9 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with `torchrun
-# --standalone --nproc-per-node 2`. Copy `average_gradients` and the three lines that call it. The
-# rest checks, on every rank, that the averaged gradient is the one of the whole batch.
+# `snippets/02_average_gradients.py` is a whole script, run by the course's tests with
+# `torchrun --standalone --nproc-per-node 2`. Copy `average_gradients` and the three lines that call
+# it. The rest checks, on every rank, that the averaged gradient is the one of the whole batch.
 #
 # <!-- snippets/02_average_gradients.py -->
 # ```python
@@ -758,8 +758,8 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #
 # The check below runs it on 2 ranks, then on 3, each with its own gradients. It compares the result
 # with the mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails with
-# what is wrong. Until you write the function, it says "not attempted yet". Stuck? `%load
-# solutions/02_average_gradients_flat.py` in a new cell.
+# what is wrong. Until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/02_average_gradients_flat.py` in a new cell.
 
 # %%
 def average_gradients_flat(model):

@@ -7,8 +7,8 @@
 # Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP wraps
 # the model and does the same averaging *during* `backward()`, in a few large **buckets** (see the
 # [glossary](../README.md#glossary)). It also **broadcasts rank 0's parameters when it is built**,
-# so the replicas start equal even if the ranks were seeded differently. This notebook checks
-# both claims against notebook 02's own code.
+# so the replicas start equal even if the ranks were seeded differently. This notebook checks both
+# claims against notebook 02's own code.
 
 # %%
 import os
@@ -36,9 +36,9 @@ import gradsync_tutorial as gst
 # ## `DistributedSampler` gives each rank the same shard as notebook 02
 #
 # Notebook 02 shuffled with a generator seeded `SEED + epoch` and gave rank `r` every N-th index,
-# `order[r::N]`. `DistributedSampler` does the same: its `set_epoch(epoch)` reseeds the shuffle
-# with `seed + epoch`, identically on every rank. (Forget `set_epoch` and every epoch repeats the
-# same order: notebook 04.)
+# `order[r::N]`. `DistributedSampler` does the same: its `set_epoch(epoch)` reseeds the shuffle with
+# `seed + epoch`, identically on every rank. (Forget `set_epoch` and every epoch repeats the same
+# order: notebook 04.)
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -54,10 +54,10 @@ for epoch in range(2):
 print(f"DistributedSampler == order[rank::{WORLD_SIZE}] for every rank and epoch")
 
 # %% [markdown]
-# One difference: when the dataset's size is not a multiple of N, `DistributedSampler` gives
-# every rank the same number of samples by **repeating** the first ones of the order (notebook
-# 02's `order[rank::N]` would give some ranks one sample fewer, and the ranks would then disagree
-# on the number of steps). Here with 3N + 1 samples, unshuffled so the indices are readable:
+# One difference: when the dataset's size is not a multiple of N, `DistributedSampler` gives every
+# rank the same number of samples by **repeating** the first ones of the order (notebook 02's
+# `order[rank::N]` would give some ranks one sample fewer, and the ranks would then disagree on the
+# number of steps). Here with 3N + 1 samples, unshuffled so the indices are readable:
 
 # %%
 size = 3 * WORLD_SIZE + 1
@@ -74,9 +74,9 @@ assert len(images) % WORLD_SIZE == 0  # the lesson's data: no repeats
 
 # %% [markdown]
 # (`drop_last=True` drops the extra samples instead of repeating some. Both are in
-# `DistributedSampler`'s documentation: "If `False`, the sampler will add extra indices to make
-# the data evenly divisible across the replicas." Evaluation has to care: see "Evaluating on N
-# ranks" below.)
+# `DistributedSampler`'s documentation: "If `False`, the sampler will add extra indices to make the
+# data evenly divisible across the replicas." Evaluation has to care: see "Evaluating on N ranks"
+# below.)
 #
 # ## The training loop with DDP
 #
@@ -117,11 +117,11 @@ changes = gst.notebooks.show_diff(train_02, train, names=("02: train", "03: trai
 assert changes == 6
 
 # %% [markdown]
-# Six places change, for three ideas: the model is wrapped in `DDP` (one line); the shard comes
-# from a `DistributedSampler` (two places: the sampler, and `set_epoch` in place of the shuffle);
-# the hand-written averaging is gone (the `average` argument and the `average(model)` call),
-# since `backward()` now averages. The last change reads the state dict from `model.module`,
-# the `Net` that DDP wraps.
+# Six places change, for three ideas: the model is wrapped in `DDP` (one line); the shard comes from
+# a `DistributedSampler` (two places: the sampler, and `set_epoch` in place of the shuffle); the
+# hand-written averaging is gone (the `average` argument and the `average(model)` call), since
+# `backward()` now averages. The last change reads the state dict from `model.module`, the `Net`
+# that DDP wraps.
 
 # %%
 ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
@@ -130,15 +130,15 @@ manual = gst.launch(train_02, world_size=WORLD_SIZE, args=(EPOCHS,))
 # %% [markdown]
 # ## DDP = manual averaging
 #
-# Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging.
-# DDP scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums,
-# then divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is
-# exact in floating point, and a sum of two numbers does not depend on their order. (On GPUs,
-# expected as well, not yet run there: both runs use the deterministic kernels that
-# `gst.launch` asks cuDNN for.) With more ranks the last bits can differ, hence the tolerance.
-# The main cause: DDP multiplies each gradient by 1/N before the sum, `average_gradients`
-# divides after it, and only for N a power of two are both exact (measured below). The order
-# of the additions can differ too, one large bucket against 8 separate tensors.
+# Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging. DDP
+# scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums, then
+# divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is exact in
+# floating point, and a sum of two numbers does not depend on their order. (On GPUs, expected as
+# well, not yet run there: both runs use the deterministic kernels that `gst.launch` asks cuDNN
+# for.) With more ranks the last bits can differ, hence the tolerance. The main cause: DDP
+# multiplies each gradient by 1/N before the sum, `average_gradients` divides after it, and only for
+# N a power of two are both exact (measured below). The order of the additions can differ too, one
+# large bucket against 8 separate tensors.
 
 # %%
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
@@ -153,8 +153,8 @@ assert gst.checks.compare_ranks([r["state"] for r in ddp], show=False) == 0.0
 print("DDP's replicas are identical across ranks")
 
 # %% [markdown]
-# The two loss curves lie on top of each other (the dashed line is manual averaging); how far
-# apart they are, step by step, is printed under the plot.
+# The two loss curves lie on top of each other (the dashed line is manual averaging); how far apart
+# they are, step by step, is printed under the plot.
 
 # %% tags=["image:loss_curves_ddp.png"]
 fig = gst.plots.plot_loss_curves(
@@ -168,16 +168,16 @@ print(f"max |DDP - manual| over every step's loss: {max(gaps):.2g}")
 # %% [markdown]
 # ## Inside DDP: 1/N first, then one `all_reduce` per bucket
 #
-# With no hook registered, DDP's built-in reduction multiplies each gradient by 1/N as it copies
-# it into its bucket, then calls `all_reduce(SUM)` on the bucket. A **communication hook**
-# replaces that step: DDP hands it each filled bucket (`bucket.buffer()`, the gradients
-# flattened, not yet scaled) and takes back a `torch.futures.Future` of the reduced bucket.
+# With no hook registered, DDP's built-in reduction multiplies each gradient by 1/N as it copies it
+# into its bucket, then calls `all_reduce(SUM)` on the bucket. A **communication hook** replaces
+# that step: DDP hands it each filled bucket (`bucket.buffer()`, the gradients flattened, not yet
+# scaled) and takes back a `torch.futures.Future` of the reduced bucket.
 # `dist.all_reduce(buffer, async_op=True)` starts the call and returns a handle at once,
-# `.get_future()` turns the handle into a future, and `.then(fn)` says what the future's value
-# is when the call has finished: here the reduced buffer itself (notebook 05 uses hooks for
-# more). Below, DDP's reduction spelled out as our own hook, with a record of what it sees. Each
-# rank's hook receives one bucket: all 21,840 gradients of this small model. If this is what DDP
-# does, registering it changes nothing, bit for bit.
+# `.get_future()` turns the handle into a future, and `.then(fn)` says what the future's value is
+# when the call has finished: here the reduced buffer itself (notebook 05 uses hooks for more).
+# Below, DDP's reduction spelled out as our own hook, with a record of what it sees. Each rank's
+# hook receives one bucket: all 21,840 gradients of this small model. If this is what DDP does,
+# registering it changes nothing, bit for bit.
 
 # %%
 def ddp_gradients(rank, world_size, batch, hook=None):
@@ -224,9 +224,9 @@ assert scaled == 0.0 and same == 0.0
 assert torch.allclose(final.sort().values, mean.sort().values, atol=1e-7)  # the mean, reordered
 
 # %% [markdown]
-# With 2 ranks, multiplying by 1/2 and dividing by 2 are the same (1/2 is exact). With 3 they
-# are not: 1/3 is rounded. On 3 ranks, our hook against DDP's built-in reduction, and PyTorch's
-# own `default_hooks.allreduce_hook`, which divides the bucket by N instead:
+# With 2 ranks, multiplying by 1/2 and dividing by 2 are the same (1/2 is exact). With 3 they are
+# not: 1/3 is rounded. On 3 ranks, our hook against DDP's built-in reduction, and PyTorch's own
+# `default_hooks.allreduce_hook`, which divides the bucket by N instead:
 
 # %%
 three = {hook: gst.launch(ddp_gradients, world_size=3, args=(batch, hook))[0]["grads"]
@@ -262,15 +262,15 @@ assert before > 0.1 and after == 0.0
 # %% [markdown]
 # ## Evaluating on N ranks: count every sample once
 #
-# Evaluation can be split across the ranks too, each scoring its part of the test set. Two
-# things make the naive version wrong. `DistributedSampler` pads the ranks' parts to equal
-# length by **repeating** samples (above), so the repeated ones are counted twice; and the mean
-# of the ranks' accuracies weighs ranks, not samples, whenever their parts differ in size. Here
-# the trained DDP model on a test set whose size no number of ranks from 2 to 4 divides, the
-# first 1,001 test images: the naive way (`DistributedSampler`, the mean of the ranks'
-# accuracies), and the fix, each sample on exactly one rank (`order[rank::N]`, unequal parts)
-# and one `all_reduce` of the number correct *and* the number scored. (The accuracy is low, an
-# under-trained model: 96 steps, where notebook 01 trains 470. It is not the point here.)
+# Evaluation can be split across the ranks too, each scoring its part of the test set. Two things
+# make the naive version wrong. `DistributedSampler` pads the ranks' parts to equal length by
+# **repeating** samples (above), so the repeated ones are counted twice; and the mean of the ranks'
+# accuracies weighs ranks, not samples, whenever their parts differ in size. Here the trained DDP
+# model on a test set whose size no number of ranks from 2 to 4 divides, the first 1,001 test
+# images: the naive way (`DistributedSampler`, the mean of the ranks' accuracies), and the fix, each
+# sample on exactly one rank (`order[rank::N]`, unequal parts) and one `all_reduce` of the number
+# correct *and* the number scored. (The accuracy is low, an under-trained model: 96 steps, where
+# notebook 01 trains 470. It is not the point here.)
 
 # %%
 N_EVAL = 1_001
@@ -314,6 +314,359 @@ for name, r in [("DistributedSampler, mean of the ranks", naive),
 assert naive["scored"] > N_EVAL and naive["accuracy"] != correct / N_EVAL  # counted twice
 assert fixed["scored"] == N_EVAL and fixed["correct"] == correct  # each sample once
 assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
+
+
+# %% [markdown]
+# ## Unused parameter: a parameter without a gradient
+#
+# Three pitfalls of notebook 04's gallery are fixed by an option of DDP, so they are measured here:
+# an unused parameter, BatchNorm buffers and gradient accumulation. Each one compares notebook 02's
+# manual averaging with DDP.
+#
+# **Bug**: a module takes no part in the loss. It may be a head used only in another task, or a
+# layer left over from an experiment. Its `.grad` stays `None` after `backward()`.
+
+# %%
+from torch import nn
+
+HANG_TIMEOUT = 5  # seconds; each launch below takes well under one, so longer means a hang
+average_gradients = gst.notebooks.load_function("02_manual_allreduce_averaging",
+                                                "average_gradients")  # skips None gradients
+
+
+class WithUnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = gst.model.Net()
+        self.aux_head = nn.Linear(10, 10)  # used only if use_aux: else its .grad stays None
+
+    def forward(self, x, use_aux=False):
+        out = self.net(x)
+        return out + self.aux_head(out) if use_aux else out
+
+
+def tutorial_average_gradients(model):  # the tutorial's, ReduceOp for reduce_op: no None check
+    size = float(dist.get_world_size())
+    for param in model.parameters():
+        dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
+        param.grad.data /= size
+
+
+def train_unused(rank, world_size, mode, aux_ranks=(), steps=2):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = WithUnusedHead().to(device)
+    if mode.startswith("ddp"):
+        model = DDP(model, find_unused_parameters=mode == "ddp, find_unused_parameters")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    g = torch.Generator().manual_seed(rank)  # random images: the data do not matter here
+    for _ in range(steps):
+        x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, generator=g).to(device)
+        y = torch.randint(10, (GLOBAL_BATCH // world_size,), generator=g).to(device)
+        optimizer.zero_grad()
+        F.nll_loss(model(x, use_aux=rank in aux_ranks), y).backward()
+        if mode == "tutorial":
+            tutorial_average_gradients(model)
+        elif mode == "skip None":
+            average_gradients(model)  # notebook 02's version
+        elif mode == "zeros":  # a zero gradient where there is none: every rank, every call
+            for param in model.parameters():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            average_gradients(model)
+        optimizer.step()
+    plain = model.module if mode.startswith("ddp") else model
+    no_grad = [name for name, param in plain.named_parameters() if param.grad is None]
+    return {"rank_diff": gst.checks.max_diff_across_ranks(plain), "no_grad": no_grad}
+
+# %% [markdown]
+# **Symptom, manual averaging**: the tutorial's `average_gradients` fails in the first step. It
+# raises an `AttributeError` at the first `None` gradient:
+
+# %%
+try:
+    gst.launch(train_unused, WORLD_SIZE, args=("tutorial", (), 1))  # one step
+except gst.RankFailedError as err:
+    print(str(err).splitlines()[0])
+    assert "AttributeError: 'NoneType' object has no attribute 'data'" in str(err)
+else:
+    raise AssertionError("the tutorial's average_gradients should fail on a None gradient")
+
+# %% [markdown]
+# **Symptom, DDP**: step 1 runs without an error, but its gradients are not averaged. DDP still
+# waits for the gradient of `aux_head`, so the bucket that holds it is never reduced. The replicas
+# differ after step 1. The forward pass of step 2 then raises a `RuntimeError`. Its message names
+# the cause, the fix, and the indices of the parameters without a gradient (8 and 9 here:
+# `aux_head`'s weight and bias):
+
+# %%
+one_step = gst.launch(train_unused, WORLD_SIZE, args=("ddp", (), 1))
+print(f"DDP, after step 1: no error, max difference between ranks {one_step[0]['rank_diff']:.1e}")
+assert one_step[0]["rank_diff"] > 0  # step 1's gradients were not averaged
+try:
+    gst.launch(train_unused, WORLD_SIZE, args=("ddp",))  # 2 steps
+except gst.RankFailedError as err:
+    message = str(err)
+    print(message[: message.index("If you already")])
+    print(next(line for line in message.splitlines() if line.startswith("Parameter indices")))
+    assert "Expected to have finished reduction in the prior iteration" in message
+    assert "find_unused_parameters=True" in message and "did not receive grad" in message
+else:
+    raise AssertionError("DDP should fail in the second step")
+
+# %% [markdown]
+# **Detect**: the errors above. Or list the parameters whose `.grad` is still `None` after
+# `backward()`, as `train_unused` returns them below.
+#
+# **Fix**: remove the unused module. In manual code, skip `None` gradients (notebook 02's
+# `average_gradients`). With DDP, pass `find_unused_parameters=True`. Both train, and the replicas
+# agree:
+
+# %%
+skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
+find_unused = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters",))
+
+# %% tags=["nbval-check-output"]
+print("parameters without a gradient:", skip_none[0]["no_grad"])
+print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),",
+      find_unused[0]["rank_diff"], "(DDP)")
+assert all(r["no_grad"] == ["aux_head.weight", "aux_head.bias"] for r in skip_none + find_unused)
+assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
+
+# %% [markdown]
+# `find_unused_parameters=True` has a cost. After every forward pass, DDP traverses the autograd
+# graph to find the parameters that will get no gradient. PyTorch's
+# [DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html#internal-design) say:
+# "traversing the autograd graph introduces extra overheads, so applications should only set
+# `find_unused_parameters` to `True` when necessary". How much it costs depends on the model; this
+# course does not time it. DDP warns when the flag finds nothing to do (below).
+#
+# Skipping `None` is right only if **every** rank skips the same parameters. A branch that depends
+# on the data can give one rank a gradient where another has `None`. The ranks then make different
+# numbers of `all_reduce` calls: notebook 04's skipped-collective pitfall. The fix replaces a
+# missing gradient with zeros, so that every rank makes every call. DDP with
+# `find_unused_parameters=True` handles this case by itself. Here only rank 0 uses `aux_head`:
+
+# %%
+only_rank_0 = (0,)  # the ranks that use aux_head
+zeros = gst.launch(train_unused, WORLD_SIZE, args=("zeros", only_rank_0))
+ddp_rank_0 = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters", only_rank_0))
+
+# %% [markdown]
+# Rank 0's warning, `find_unused_parameters=True was specified`, is expected. Rank 0 uses every
+# parameter, so DDP found nothing unused *there*. Rank 1 skips `aux_head`, and that is why the flag
+# is needed: the warning looks at one rank only. (`[rank 0]` is the launcher's tag, `[rank0]:`
+# torch's own.) Both fixes keep the replicas equal:
+
+# %% tags=["nbval-check-output"]
+print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
+      ddp_rank_0[0]["rank_diff"], "(DDP)")
+assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
+
+# %% [markdown]
+# ## BatchNorm buffers: the statistics drift apart
+#
+# **Bug**: averaging gradients keeps the *parameters* equal, but not `BatchNorm`'s running mean and
+# variance. Those are *buffers*, updated in the forward pass from each rank's own batch. Nothing
+# averages them, so each rank evaluates with its own statistics.
+
+# %%
+def train_bn(rank, world_size, mode, steps=3):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 24 * 24, 10)).to(device)
+    if mode == "SyncBatchNorm":  # batch statistics over the global batch; GPU only
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if mode in ("DDP", "SyncBatchNorm"):
+        model = DDP(model)  # broadcast_buffers=True, the default
+    plain = model.module if isinstance(model, DDP) else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    images, labels = gst.data.load(train=True)
+    for step in range(steps):
+        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
+        if mode == "manual":
+            average_gradients(model)
+        optimizer.step()
+    diffs = {"parameters": gst.checks.max_diff_across_ranks(plain),
+             "buffers after training": gst.checks.max_diff_across_ranks(plain.named_buffers())}
+    model.eval()
+    with torch.no_grad():
+        model(images[:8].to(device))  # evaluation, through the DDP wrapper if there is one
+    diffs["buffers at evaluation"] = gst.checks.max_diff_across_ranks(plain.named_buffers())
+    return diffs
+
+# %%
+bn_manual = gst.launch(train_bn, WORLD_SIZE, args=("manual",))[0]
+bn_ddp = gst.launch(train_bn, WORLD_SIZE, args=("DDP",))[0]
+
+# %% [markdown]
+# **Symptom and detection**: the parameters agree, the running statistics do not.
+# `gst.checks.max_diff_across_ranks(model, buffers=True)` compares the buffers too, and so does
+# `assert_replicas_equal`.
+
+# %%
+print("max difference between ranks:")
+for name, diffs in [("manual averaging", bn_manual), ("DDP", bn_ddp)]:
+    print(f"  {name:16}", ", ".join(f"{key} {value:.2g}" for key, value in diffs.items()))
+assert bn_manual["parameters"] == 0.0 and bn_manual["buffers at evaluation"] > 1e-4
+assert bn_ddp["parameters"] == 0.0 and bn_ddp["buffers at evaluation"] == 0.0
+assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass updated its own
+
+# %% [markdown]
+# **Fix**: DDP's `broadcast_buffers=True` (the default) copies rank 0's buffers to every rank.
+# Recent versions call it `forward_sync_buffers`. The copy happens at the start of each forward
+# pass, evaluation included, so every forward through the wrapper is a collective. There are two
+# safe ways to evaluate:
+#
+# - through the wrapper, on every rank, with the same number of batches;
+# - `model.module` on rank 0 alone, whose buffers are the ones DDP broadcasts.
+#
+# The end of this section checks both. Do not evaluate `model.module` on another rank: between two
+# forward passes, each rank's buffers hold its own last update.
+#
+# `nn.SyncBatchNorm` goes further. Its documentation says: "The mean and standard-deviation are
+# calculated per-dimension over all mini-batches of the same process groups". So the running
+# statistics should agree right after training. The cell after next checks it on a machine with a
+# GPU per rank; this notebook's committed outputs ran on CPUs. SyncBatchNorm runs on accelerators.
+# On the CPU it raises:
+
+# %%
+def sync_batchnorm_on_cpu(rank, world_size):
+    try:
+        nn.SyncBatchNorm(8)(torch.randn(4, 8, 3, 3))  # training mode, a CPU tensor
+    except ValueError as e:
+        return str(e)
+
+
+message = gst.launch(sync_batchnorm_on_cpu, WORLD_SIZE)[0]
+print("on the CPU:", message)
+assert message.startswith("SyncBatchNorm expected input tensor to be on GPU")
+
+# %%
+if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE:  # a GPU per rank
+    bn_sync = gst.launch(train_bn, WORLD_SIZE, args=("SyncBatchNorm",))[0]
+    print("SyncBatchNorm, max difference between ranks:", bn_sync)
+    assert bn_sync["parameters"] == 0.0 and bn_sync["buffers after training"] <= 1e-6
+else:
+    print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
+
+# %% [markdown]
+# **Bug, in the fix**: `if rank == 0: evaluate(ddp_model)`. That forward pass broadcasts the buffers
+# on rank 0 alone, even in `eval()` mode under `no_grad()`. This is notebook 04's skipped-collective
+# pitfall: a hang. Here are two steps of training, then one evaluation batch, evaluated three ways:
+
+# %%
+def evaluate_bn(rank, world_size, how, steps=2):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = DDP(nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 24 * 24, 10)).to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    images, labels = gst.data.load(train=True)
+    for step in range(steps):  # each rank updates its statistics from its own batches
+        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
+        optimizer.step()
+    model.eval()
+    x = images[-64:].to(device)  # the evaluation batch
+    with torch.no_grad():
+        if how == "DDP, every rank":
+            return model(x).cpu()
+        if rank == 0:  # evaluation on rank 0 only
+            return (model if how == "DDP, rank 0 only" else model.module)(x).cpu()
+    return None
+
+# %% [markdown]
+# **Symptom**: rank 0 waits in DDP's broadcast, and the launcher's timeout names it. (It runs in its
+# own launch: a failed collective breaks its group.)
+
+# %%
+try:
+    gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, rank 0 only",), timeout=HANG_TIMEOUT)
+except gst.LaunchTimeoutError as err:
+    print(err)
+    assert err.unfinished == [0]
+
+# %% [markdown]
+# **Fix**: on rank 0 alone, evaluate `model.module`. It gives what every rank computes through the
+# wrapper, to the last bit:
+
+# %%
+every_rank = gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, every rank",))[0]
+module_on_0 = gst.launch(evaluate_bn, WORLD_SIZE, args=("model.module, rank 0 only",))[0]
+difference = (every_rank - module_on_0).abs().max().item()
+print(f"max |DDP on every rank - model.module on rank 0| = {difference}")
+assert difference == 0.0
+
+# %% [markdown]
+# ## Accumulation: all-reducing every micro-batch
+#
+# A global batch may be larger than fits in memory. Each rank then runs several micro-batches and
+# steps once. **Bug**: averaging after every micro-batch's `backward()`. DDP does this by default.
+# The result is right, since averaging is linear, but it costs K times the communication. **Fix**:
+# average once, after the last micro-batch. With DDP, run the other micro-batches inside
+# `model.no_sync()`.
+#
+# The code below divides each micro-batch's mean loss by `MICRO_BATCHES`. That gives the mean over
+# the whole batch **only because its micro-batches are equal**. With unequal micro-batches it is
+# notebook 04's mean-of-means pitfall again, across micro-batches. They are unequal in the last
+# batch of an epoch, or with losses over a varying number of tokens. [Notebook
+# 07](07_which_mean.ipynb) shows that case and its fix: the loss sum divided by the count over all
+# micro-batches and ranks.
+
+# %%
+MICRO_BATCHES = 4
+
+def train_accumulate(rank, world_size, use_ddp, sync_every_micro_batch, steps=3):
+    torch.manual_seed(SEED)
+    device = gst.local_device()
+    model = gst.model.Net().eval().to(device)  # eval: no dropout, for exact comparisons
+    with gst.detect.count_collectives() as calls:
+        if use_ddp:
+            model = calls.watch(DDP(model))  # also count DDP's bucket all-reduces
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        images, labels = gst.data.load(train=True)
+        for step in range(steps):
+            batch = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
+            optimizer.zero_grad()
+            for k, idx in enumerate(batch.chunk(MICRO_BATCHES)):
+                last = k == MICRO_BATCHES - 1
+                x, y = images[idx].to(device), labels[idx].to(device)
+                if use_ddp and not (last or sync_every_micro_batch):
+                    with model.no_sync():  # the fix, DDP: no all-reduce in this backward
+                        (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
+                else:
+                    (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
+                if not use_ddp and (last or sync_every_micro_batch):  # the fix: last only
+                    average_gradients(model)
+            optimizer.step()
+    plain = model.module if use_ddp else model
+    return {"state": plain.state_dict(), "calls": dict(calls.calls)}
+
+# %%
+accumulated = {
+    (use_ddp, every): gst.launch(train_accumulate, WORLD_SIZE, args=(use_ddp, every))[0]
+    for use_ddp in (False, True) for every in (True, False)
+}
+
+# %%
+print(f"{'':6}  {'sync':17}  collective calls in 3 steps")
+for (use_ddp, every), r in accumulated.items():
+    sync = "every micro-batch" if every else "last only"
+    print(f"{'DDP' if use_ddp else 'manual':6}  {sync:17}  {r['calls']}")
+
+reference = accumulated[(False, False)]["state"]
+for key, r in accumulated.items():
+    assert gst.checks.compare_state_dicts(r["state"], reference, show=False) <= 1e-6, key
+manual_every, manual_last = (accumulated[(False, e)]["calls"]["all_reduce"] for e in (True, False))
+ddp_every, ddp_last = (accumulated[(True, e)]["calls"][gst.detect.DDP_KEY] for e in (True, False))
+assert manual_every == MICRO_BATCHES * manual_last and ddp_every == MICRO_BATCHES * ddp_last
+print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
+      f"manual {manual_every} -> {manual_last}, DDP buckets {ddp_every} -> {ddp_last}")
 
 
 # %% [markdown]
@@ -409,13 +762,14 @@ assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 #
 # DDP copies rank 0's weights to every rank when it is built. Do it by hand: write
 # `broadcast_parameters(model)` so that afterwards every rank's parameters equal rank 0's. Call
-# `dist.broadcast(tensor, src=0)` for every parameter: it works in place, rank 0 sends `tensor`
-# and every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter
-# itself (`p.detach()` or `p.data`: the same memory), not a copy.
+# `dist.broadcast(tensor, src=0)` for every parameter: it works in place, rank 0 sends `tensor` and
+# every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter itself
+# (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each rank (2, then 3 of them) from a different seed, calls your function and compares
-# the ranks. It prints "✓ correct", or fails with what is wrong; until you write the function,
-# it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a new cell.
+# The check below starts each rank (2, then 3 of them) from a different seed, calls your function
+# and compares the ranks. It prints "✓ correct", or fails with what is wrong; until you write the
+# function, it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a
+# new cell.
 #
 # Then use it in training, not checked: copy notebook 02's `train` into a cell, seed with
 # `torch.manual_seed(SEED + rank)` instead of `SEED` (the bug), and call

@@ -1,13 +1,16 @@
 # %% [markdown]
 # # 04 — What goes wrong: a gallery of gradient-averaging bugs
 #
-# **Question: which bugs in distributed training code run without an error, and how do I catch
-# each one?**
+# **Question: which bugs in distributed training code run without an error, and how do I catch each
+# one?**
 #
-# Code copied from a tutorial or an answer can run, print a falling loss, and still be wrong or
-# wasteful. This notebook reproduces eleven such bugs, each on a few lines launched from a cell.
-# For each one it **measures the symptom**, shows a **check** you can drop into your own code, and
-# **proves the fix** with a cell that would fail if the fix did not work.
+# **Short answer:** check your code for the 8 bugs below. Each runs without an error, and each has a
+# check that catches it in seconds.
+#
+# Code copied from a tutorial can print a falling loss and still be wrong. This notebook reproduces
+# each bug in a few lines launched from a cell. For each one it **measures the symptom** and shows a
+# **check** you can drop into your code. A cell then **proves the fix**: it would fail if the fix
+# did not work.
 #
 # | Pitfall | Bug | What you see |
 # |---|-----|--------------|
@@ -18,10 +21,16 @@
 # | mean of means | unequal local batch sizes | mean of means ≠ global mean |
 # | uneven steps | ranks run different numbers of steps | a hang |
 # | skipped collective | a rank skips a collective | a hang; in a loop, an error, a hang or wrong sums |
-# | unused parameter | a parameter without a gradient | the tutorial's manual averaging: `AttributeError` in step 1 (the course's skips `None`); DDP: step 1 not averaged, then `RuntimeError` in step 2's forward |
+# | local loss | logging a rank's own loss | the curve of 1/N of the data |
+#
+# Three more pitfalls have a DDP option as their fix, so [notebook
+# 03](03_distributed_data_parallel.ipynb) measures them next to DDP:
+#
+# | Pitfall | Bug | What you see |
+# |---|-----|--------------|
+# | unused parameter | a parameter without a gradient | manual averaging: an `AttributeError`, or `None` skipped; DDP: `RuntimeError` in step 2 |
 # | BatchNorm buffers | BatchNorm statistics | the buffers drift apart |
 # | accumulation | gradient accumulation | N times the communication |
-# | local loss | logging a rank's own loss | the curve of 1/N of the data |
 #
 # The text refers to each one by its name, as "the mean-of-means pitfall".
 
@@ -60,11 +69,11 @@ assert GLOBAL_BATCH % WORLD_SIZE == 0, "each rank takes GLOBAL_BATCH // WORLD_SI
 # %% [markdown]
 # ## The loop under test
 #
-# Notebook 02's `average_gradients` and its training loop, with a few switches that plant a bug
-# or apply a fix. Each switch changes one or two lines, marked with the name of its pitfall.
-# Every call to `train` also records, after each step, the largest difference between the
-# ranks' parameters (`gst.checks.max_diff_across_ranks`), and `log(loss)` decides what a step
-# logs: by default, this rank's own loss, as in notebook 02.
+# Notebook 02's `average_gradients` and its training loop, with a few switches that plant a bug or
+# apply a fix. Each switch changes one or two lines, marked with the name of its pitfall. After each
+# step, `train` also records the largest difference between the ranks' parameters
+# (`gst.checks.max_diff_across_ranks`). `log(loss)` decides what a step logs. By default it logs
+# this rank's own loss, as in notebook 02.
 
 # %%
 def average_gradients(model):  # notebook 02's, the code under test
@@ -121,8 +130,6 @@ def train(rank, world_size, n=N_TRAIN, seed_per_rank=False, broadcast=False, sha
 
 # %%
 correct = gst.launch(train, world_size=WORLD_SIZE)
-
-# %%
 steps = len(correct[0]["rank_diff"])
 print(f"{steps} steps; largest difference between ranks: {max(correct[0]['rank_diff'])}")
 assert steps > 0 and all(d == 0.0 for r in correct for d in r["rank_diff"])
@@ -131,10 +138,10 @@ assert steps > 0 and all(d == 0.0 for r in correct for d in r["rank_diff"])
 # %% [markdown]
 # ## Forgotten division: all_reduce without dividing
 #
-# **Bug**: `dist.all_reduce(param.grad)` without `param.grad /= world_size`, the popular answer
-# to the tutorial's code. **Symptom**: every rank holds the *sum* of the gradients, N times their
-# mean: plain SGD then runs with N times the learning rate, and Adam almost hides it. Notebook 02
-# proves both with full training runs; here is the gradient itself, after one backward pass:
+# **Bug**: `dist.all_reduce(param.grad)` without `param.grad /= world_size`, the popular answer to
+# the tutorial's code. **Symptom**: every rank holds the *sum* of the gradients, N times their mean.
+# Plain SGD then runs with N times the learning rate, and Adam almost hides it. Notebook 02 proves
+# both with full training runs. Here is the gradient itself, after one backward pass:
 
 # %%
 def one_gradient(rank, world_size, divide):
@@ -161,8 +168,8 @@ print(f"|gradient without dividing| / |mean gradient| = {ratio:.4f} (world size 
 assert torch.allclose(summed, WORLD_SIZE * mean, rtol=1e-6, atol=0)
 
 # %% [markdown]
-# **Detect**: compare with one process that takes the whole global batch, as notebook 02 does
-# for a training step: its gradient is the mean, and the sum is N times it.
+# **Detect**: compare with one process that takes the whole global batch, as notebook 02 does for a
+# training step. Its gradient is the mean, and the sum is N times it.
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -176,26 +183,27 @@ print("max |distributed - one process|:", {k: f"{v:.1e}" for k, v in to_single.i
 assert to_single["mean"] <= 1e-6 < to_single["sum"]
 
 # %% [markdown]
-# **Fix**: divide by `dist.get_world_size()`, or use DDP, which averages for you (notebook 03).
+# **Fix**: divide by `dist.get_world_size()`, or use DDP (notebook 03).
 #
 # ## Different weights: ranks start from different weights
 #
-# **Bug**: each rank seeds its generator differently (`torch.manual_seed(SEED + rank)`, often
-# written to vary dropout or augmentation across ranks), and nothing copies rank 0's weights to
-# the others. Manual averaging then applies the same averaged update to N different models.
-# The fix, run alongside: broadcast rank 0's parameters before training. To vary dropout or
-# augmentation, seed twice instead: `torch.manual_seed(SEED)`, build the model, then
-# `torch.manual_seed(SEED + rank)`, as `scripts/train_ddp.py` does. (This notebook's loop
-# keeps one seed: every rank draws the same dropout masks, which the exact checks need.)
+# **Bug**: each rank seeds its generator differently, with `torch.manual_seed(SEED + rank)`. Scripts
+# often do it to vary dropout or augmentation across ranks. Nothing copies rank 0's weights to the
+# others. Manual averaging then applies the same averaged update to N different models.
+#
+# The fix, run alongside, broadcasts rank 0's parameters before training. To vary dropout or
+# augmentation, seed twice instead. Call `torch.manual_seed(SEED)`, build the model, then call
+# `torch.manual_seed(SEED + rank)`, as `scripts/train_ddp.py` does. This notebook's loop keeps one
+# seed: every rank draws the same dropout masks, which the exact checks need.
 
 # %%
 seeded_per_rank = gst.launch(partial(train, seed_per_rank=True), WORLD_SIZE)
 broadcast = gst.launch(partial(train, seed_per_rank=True, broadcast=True), WORLD_SIZE)
 
 # %% [markdown]
-# **Symptom**: it trains without a complaint, but the replicas never agree. Since every rank
-# applies the same update, the difference between two replicas stays what it was after step 1
-# (to 1e-5), step after step:
+# **Symptom**: it trains without a complaint, but the replicas never agree. Every rank applies the
+# same update. So the difference between two replicas stays what it was after step 1 (to 1e-5), step
+# after step:
 
 # %%
 gap = seeded_per_rank[0]["rank_diff"]
@@ -212,9 +220,10 @@ fig = gst.plots.plot_loss_curves(
 
 # %% [markdown]
 # **Detect**: notebook 02 compares the ranks' final parameters in the notebook
-# (`gst.checks.compare_ranks`). Inside the ranks, `gst.checks.assert_replicas_equal(model)`
-# compares every rank's tensors with rank 0's and names the first one that differs. Call it
-# once after building the model, and after a step now and then; it raises on every rank, so no rank is left waiting.
+# (`gst.checks.compare_ranks`). Inside the ranks, use `gst.checks.assert_replicas_equal(model)`. It
+# compares every rank's tensors with rank 0's and names the first one that differs. Call it once
+# after building the model, and after a step now and then. It raises on every rank, so no rank is
+# left waiting.
 
 # %%
 def first_weights(rank, world_size, fix=None):
@@ -229,7 +238,6 @@ def first_weights(rank, world_size, fix=None):
     return fix
 
 
-# %%
 try:
     gst.launch(first_weights, WORLD_SIZE)
 except gst.RankFailedError as err:
@@ -238,8 +246,8 @@ except gst.RankFailedError as err:
 
 # %% [markdown]
 # **Fix**: broadcast rank 0's parameters before training, or wrap the model in DDP, which does the
-# same when it is built (notebook 03). Both pass the check, and with the broadcast the training
-# run above had identical replicas after every step:
+# same when it is built (notebook 03). Both pass the check. With the broadcast, the training run
+# above had identical replicas after every step:
 
 # %%
 fixed = [gst.launch(first_weights, WORLD_SIZE, args=(fix,)) for fix in ("broadcast", "ddp")]
@@ -252,8 +260,8 @@ print("both fixes pass the check; with the broadcast, every step: max difference
 # ## Unsharded data: every rank reads all the data
 #
 # **Bug**: a `DataLoader(dataset, shuffle=True)` with no `DistributedSampler`. With the
-# different-weights pitfall fixed by a common seed, every rank even shuffles **the same way**: each step's global batch is
-# N copies of the same samples.
+# different-weights pitfall fixed by a common seed, every rank even shuffles **the same way**. Each
+# step's global batch is then N copies of the same samples.
 
 # %%
 def one_epoch(rank, world_size, use_sampler):
@@ -265,15 +273,14 @@ def one_epoch(rank, world_size, use_sampler):
     return [batch.tolist() for batch in loader]  # the indices of every batch this rank reads
 
 
-# %%
 unsharded = gst.launch(one_epoch, WORLD_SIZE, args=(False,))
 sharded = gst.launch(one_epoch, WORLD_SIZE, args=(True,))
 
 
 # %% [markdown]
-# **Symptom**: `gst.detect.sample_overlap` takes each rank's indices and counts the samples that
-# two or more ranks read. Without the sampler it is all of them, and each rank takes N times as
-# many steps per epoch as it should: N ranks do the work of one.
+# **Symptom**: `gst.detect.sample_overlap` takes each rank's indices and counts the samples that two
+# or more ranks read. Without the sampler it is all of them. Each rank takes N times as many steps
+# per epoch as it should: N ranks do the work of one.
 
 # %%
 def flat(batches):
@@ -294,7 +301,7 @@ assert fix.disjoint and fix.coverage == 1.0
 
 # %% [markdown]
 # **Detect, inside your code**: `gst.detect.assert_disjoint_shards(indices)` gathers every rank's
-# indices (one `all_gather_object`) and raises on every rank if the shards overlap:
+# indices with one `all_gather_object`. It raises on every rank if the shards overlap:
 
 # %%
 def check_shards(rank, world_size, use_sampler):
@@ -315,8 +322,8 @@ except gst.RankFailedError as err:
 #
 # ## No `set_epoch`: `DistributedSampler` without `set_epoch`
 #
-# **Bug**: the sampler's shuffle is seeded with `seed + epoch`, and only `set_epoch(epoch)`
-# changes its epoch. Forget it and every epoch repeats the first epoch's order.
+# **Bug**: the sampler's shuffle is seeded with `seed + epoch`, and only `set_epoch(epoch)` changes
+# its epoch. Forget it, and every epoch repeats the first epoch's order.
 
 # %%
 def epoch_orders(rank, world_size, set_epoch, epochs=3):
@@ -329,13 +336,12 @@ def epoch_orders(rank, world_size, set_epoch, epochs=3):
     return orders
 
 
-# %%
 same = gst.launch(epoch_orders, WORLD_SIZE, args=(False,))
 reshuffled = gst.launch(epoch_orders, WORLD_SIZE, args=(True,))
 
 # %% [markdown]
 # **Symptom**: the orders are identical, epoch after epoch, on every rank. With `set_epoch` they
-# change every epoch, and within each epoch the ranks' shards stay disjoint.
+# change every epoch. Within each epoch the ranks' shards stay disjoint.
 
 # %%
 for rank in range(WORLD_SIZE):
@@ -349,24 +355,22 @@ print("  with set_epoch:   ", *[order[:4] for order in reshuffled[0]])
 
 
 # %% [markdown]
-# **Detect**: compare two epochs' indices, as above, in a test of your data pipeline.
-# **Fix**: call `sampler.set_epoch(epoch)` at the start of every epoch.
+# **Detect**: compare two epochs' indices, as above, in a test of your data pipeline. **Fix**: call
+# `sampler.set_epoch(epoch)` at the start of every epoch.
 #
 # ## Mean of means: unequal local batch sizes
 #
-# **Bug**: the ranks hold different numbers of samples in a step (an uneven last batch; ranks
-# that drop filtered samples; losses averaged over a varying number of tokens), each rank
-# takes the **mean** over its own samples, and the ranks average those means. The mean of the
-# per-rank means is not the mean over all samples: rank `r`'s samples get weight
-# $1 / (N \cdot n_r)$ instead of $1 / \sum n$.
+# **Bug**: the ranks hold different numbers of samples in a step. Causes include an uneven last
+# batch, ranks that drop filtered samples, and losses averaged over a varying number of tokens. Each
+# rank takes the **mean** over its own samples, and the ranks average those means. The mean of the
+# per-rank means is not the mean over all samples. Rank `r`'s samples get weight $1 / (N \cdot n_r)$
+# instead of $1 / \sum n$.
 #
-# Here the last global batch of an epoch: every rank gets its full share but the last, which
-# gets 8 samples. The fix reduces the **sum** of the losses and the **count** together, and
-# divides once. For the gradient, each rank differentiates its loss sum divided by the global
-# count, and the ranks **sum** (not average) the gradients. The same bug with losses averaged
-# over tokens (padding, `ignore_index`, sequences of different lengths) and across
-# gradient-accumulation micro-batches, and its fix, are the subject of
-# [notebook 07](07_which_mean.ipynb).
+# Here is the last global batch of an epoch. Every rank gets its full share but the last, which gets
+# 8 samples. The fix reduces the **sum** of the losses and the **count** together, and divides once.
+# For the gradient, each rank differentiates its loss sum divided by the global count. The ranks
+# then **sum** the gradients, not average them. [Notebook 07](07_which_mean.ipynb) covers the same
+# bug with losses averaged over tokens and across gradient-accumulation micro-batches, and its fix.
 
 # %%
 def uneven_step(rank, world_size, weighted):
@@ -398,7 +402,6 @@ def uneven_step(rank, world_size, weighted):
     return {"loss": logged.item(), "grad": grad, "count": len(idx)}
 
 
-# %%
 mean_of_means = gst.launch(uneven_step, WORLD_SIZE, args=(False,))
 weighted = gst.launch(uneven_step, WORLD_SIZE, args=(True,))
 
@@ -416,7 +419,6 @@ true_loss.backward()
 true_grad = torch.cat([p.grad.flatten() for p in single.parameters()])
 
 
-# %%
 def errors(result):  # (loss error, largest gradient error) against the single process
     loss_error = abs(result["loss"] - true_loss.item())
     return loss_error, (result["grad"] - true_grad).abs().max().item()
@@ -430,16 +432,16 @@ assert errors(mean_of_means[0])[0] > 1e-3 and errors(mean_of_means[0])[1] > 1e-4
 assert errors(weighted[0])[0] <= 1e-5 and errors(weighted[0])[1] <= 1e-6  # the fix
 
 # %% [markdown]
-# **Detect**: compare the distributed loss with a single-process computation on the same samples,
-# as here. Where your code assumes equal batches, guard it with
-# `gst.detect.assert_ranks_agree_on(len(idx), "batch size")` (the uneven-steps pitfall shows
-# this check at work).
+# **Detect**: compare the distributed loss with a single-process computation on the same samples, as
+# here. Where your code assumes equal batches, guard it with
+# `gst.detect.assert_ranks_agree_on(len(idx), "batch size")`. The uneven-steps pitfall shows this
+# check at work.
 #
 # ## Uneven steps: ranks run different numbers of steps
 #
-# **Bug**: notebook 02's `order[rank::world_size]` on a data set whose size is not a multiple of
-# the number of ranks. Take one sample more than 4 global batches: rank 0's shard gets the extra
-# sample, hence a fifth, one-sample batch that no other rank has.
+# **Bug**: notebook 02's `order[rank::world_size]` on a data set whose size is not a multiple of the
+# number of ranks. Take one sample more than 4 global batches. Rank 0's shard gets the extra sample,
+# hence a fifth, one-sample batch that no other rank has.
 
 # %%
 N_UNEVEN = 4 * GLOBAL_BATCH + 1
@@ -450,9 +452,9 @@ print("batches per rank:", batches_per_rank)
 assert batches_per_rank == [5] + [4] * (WORLD_SIZE - 1)
 
 # %% [markdown]
-# **Symptom**: in its fifth step, rank 0 calls `all_reduce` and waits for partners that have
-# already finished: the job hangs. `gst.launch(..., timeout=)` turns the hang into an error that
-# names the ranks that did not finish.
+# **Symptom**: in its fifth step, rank 0 calls `all_reduce` and waits for partners that have already
+# finished: the job hangs. `gst.launch(..., timeout=)` turns the hang into an error that names the
+# ranks that did not finish.
 
 # %%
 try:
@@ -462,10 +464,10 @@ except gst.LaunchTimeoutError as err:
     assert err.unfinished == [0]
 
 # %% [markdown]
-# Without `gst.launch` (in a script under torchrun, say), what ends the hang is the **process
-# group's** timeout: every collective waits at most the `timeout` given to
-# `init_process_group(timeout=...)` (or `dist.new_group`), by default 30 minutes with gloo and 10
-# with NCCL. It belongs to the group, not to the launcher. A group with a 1-second timeout:
+# Without `gst.launch`, in a script under torchrun say, the **process group's** timeout ends the
+# hang. Every collective waits at most the `timeout` given to `init_process_group(timeout=...)` or
+# `dist.new_group`. The default is 30 minutes with gloo and 10 with NCCL. It belongs to the group,
+# not to the launcher. A group with a 1-second timeout:
 
 # %%
 ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE  # NCCL, else gloo
@@ -491,9 +493,9 @@ else:
     raise AssertionError("the group's timeout should have ended rank 0's all_reduce")
 
 # %% [markdown]
-# **Detect, before it hangs**: `gst.detect.assert_ranks_agree_on(len(batches), "batches per
-# epoch")` gathers the value from every rank and raises on every rank if they differ: an error in
-# a second, naming every rank's count, instead of a hang (the `check_steps` switch of `train`).
+# **Detect, before it hangs**: `gst.detect.assert_ranks_agree_on(len(batches), "batches per epoch")`
+# gathers the value from every rank. It raises on every rank if they differ: an error in a second,
+# naming every rank's count, instead of a hang. The `check_steps` switch of `train` turns it on.
 
 # %%
 try:
@@ -505,12 +507,13 @@ except gst.RankFailedError as err:
 # %% [markdown]
 # **Detect, with torch alone**: `dist.monitored_barrier(timeout=...)` is a barrier that names the
 # ranks that did not arrive in time. Its documentation says it "can have a performance impact and
-# should only be used for debugging", and that it "is only supported with the GLOO backend".
-# So under nccl, create a gloo group of all ranks once, `dist.new_group(backend="gloo")`, and
-# pass it; under gloo that side group changes nothing. Called at the top of every step of the
-# uneven shards above, it turns rank 0's fifth step into an error in 2 seconds that names
-# rank 1. torch also logs that error on rank 0's stderr: the line tagged `[rank 0] [rank0]:`
-# below (the launcher's tag, then torch's own).
+# should only be used for debugging". It also says it "is only supported with the GLOO backend". So
+# under nccl, create a gloo group of all ranks once, `dist.new_group(backend="gloo")`, and pass it.
+# Under gloo that side group changes nothing.
+#
+# Here it is called at the top of every step of the uneven shards above. It turns rank 0's fifth
+# step into an error in 2 seconds that names rank 1. torch also logs that error on rank 0's stderr.
+# That is the line tagged `[rank 0] [rank0]:` below: the launcher's tag, then torch's own.
 
 # %%
 def steps_with_a_monitored_barrier(rank, world_size):
@@ -530,17 +533,20 @@ except gst.RankFailedError as err:
 
 
 # %% [markdown]
-# **Fix**: give every rank equally long shards. `DistributedSampler(drop_last=True)` cuts the
-# data to a multiple of the number of ranks; the default (`drop_last=False`) pads it by repeating
-# a few samples. (Dropping each rank's last *partial batch* is not enough: shards of 256 and 255
-# samples would still give 2 and 1 full batches of 128.) With DDP you may instead keep uneven
-# shards and wrap the loop in `Join`: a rank that runs out of batches keeps answering the others'
-# all-reduces (with zero gradients) until all are done, and at the end DDP copies the parameters
-# of the last rank to finish to every rank. Two things it does not make equal, measured below:
-# in those last steps DDP still divides by the *initial* world size, so a step taken by fewer
-# ranks is scaled down (its `divide_by_initial_world_size=False` divides by the ranks still
-# active instead); and the optimizer state (here SGD's momentum) of a rank that stopped early
-# misses the last steps.
+# **Fix**: give every rank equally long shards. `DistributedSampler(drop_last=True)` cuts the data
+# to a multiple of the number of ranks. The default, `drop_last=False`, pads it by repeating a few
+# samples. Dropping each rank's last *partial batch* is not enough. Shards of 256 and 255 samples
+# would still give 2 and 1 full batches of 128.
+#
+# With DDP you may instead keep uneven shards and wrap the loop in `Join`. A rank that runs out of
+# batches keeps answering the others' all-reduces, with zero gradients, until all are done. At the
+# end DDP copies the parameters of the last rank to finish to every rank. Two things it does not
+# make equal, measured below:
+#
+# | what | with `Join` | the way out |
+# |---|---|---|
+# | a step taken by fewer ranks | divided by the *initial* world size, so scaled down | `divide_by_initial_world_size=False` divides by the ranks still active |
+# | the optimizer state (here SGD's momentum) | a rank that stopped early misses the last steps | none: equal shards |
 
 # %%
 def train_join(rank, world_size, n=N_UNEVEN, divide_by_initial_world_size=True):
@@ -572,7 +578,6 @@ def train_join(rank, world_size, n=N_UNEVEN, divide_by_initial_world_size=True):
             "momentum_diff": gst.checks.max_diff_across_ranks(momentum), "last_scale": scale}
 
 
-# %%
 padded = gst.launch(partial(train, n=N_UNEVEN, sharding="pad", check_steps=True), WORLD_SIZE)
 cut = gst.launch(partial(train, n=N_UNEVEN, sharding="drop_last", check_steps=True), WORLD_SIZE)
 joined = gst.launch(train_join, WORLD_SIZE)
@@ -624,9 +629,9 @@ except gst.LaunchTimeoutError as err:
 
 
 # %% [markdown]
-# Inside a training loop the same bug fails differently: rank 0's extra `all_reduce` pairs with
-# the other ranks' *next* call, the gradient of the first parameter. The sizes differ, and what
-# happens then is up to the backend and to timing. In this run:
+# Inside a training loop the same bug fails differently. Rank 0's extra `all_reduce` pairs with the
+# other ranks' *next* call, the gradient of the first parameter. The sizes differ. What happens then
+# is up to the backend and to timing. In this run:
 
 # %%
 def log_inside_the_loop(rank, world_size):
@@ -643,7 +648,6 @@ def log_inside_the_loop(rank, world_size):
     average_gradients(model)
 
 
-# %%
 try:
     gst.launch(log_inside_the_loop, WORLD_SIZE, timeout=HANG_TIMEOUT, show_ranks=[])  # quiet
 except (gst.RankFailedError, gst.LaunchTimeoutError) as err:
@@ -655,11 +659,11 @@ else:
 # **Detect, with torch alone**: run the job once with the environment variable
 # `TORCH_DISTRIBUTED_DEBUG=DETAIL`. Then, in the words of torch's
 # [documentation](https://docs.pytorch.org/docs/stable/distributed.html#debugging-torch-distributed-applications),
-# every collective gets "additional consistency and synchronization checks", "by ensuring all
-# collective functions match and are called with consistent tensor shapes. If this is not the
+# every collective gets "additional consistency and synchronization checks". It works "by ensuring
+# all collective functions match and are called with consistent tensor shapes. If this is not the
 # case, a detailed error report is included when the application crashes, rather than a hang or
-# uninformative error message." It is read when the process group is created, so set it before
-# the job starts (`TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...`); here, for fresh workers:
+# uninformative error message." Torch reads the variable when the process group is created. So set
+# it before the job starts (`TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ...`); here, for fresh workers:
 
 # %%
 def with_detail_checks(fn, *args):
@@ -690,10 +694,10 @@ assert all("Detected mismatch between collectives" in f.message for f in failure
 assert shapes == {0: "", **{r: "10, 1, 5, 5" for r in range(1, WORLD_SIZE)}}  # loss; conv1.weight
 
 # %% [markdown]
-# When the shapes happen to match, nothing fails at all: each rank adds whatever tensor the
-# others passed to the same call. Here a model with two layers of the same shape, and rank 1
-# averages them in the other order (as when a rank builds its list of parameters in its own
-# order, from a set or a dict):
+# When the shapes happen to match, nothing fails at all. Each rank adds whatever tensor the others
+# passed to the same call. Here a model has two layers of the same shape, and rank 1 averages them
+# in the other order. That happens when a rank builds its list of parameters in its own order, from
+# a set or a dict:
 
 # %%
 def mismatched_order(rank, world_size, swap):
@@ -721,7 +725,6 @@ def wrong_by(results):  # largest |gradient - true mean| on any rank; largest ra
     return error, ranks
 
 
-# %%
 for swap in (False, True):
     error, ranks = wrong_by(gst.launch(mismatched_order, WORLD_SIZE, args=(swap,)))
     print(f"{'rank 1 swapped' if swap else 'same order':14}: no error; max |averaged - true mean| "
@@ -732,10 +735,10 @@ for swap in (False, True):
         assert ranks == 0.0 and error <= (0.0 if WORLD_SIZE == 2 else 1e-6)
 
 # %% [markdown]
-# The replicas then drift apart, so `gst.checks.assert_replicas_equal(model)` after a step
-# (the different-weights pitfall) catches it; `gst.detect.count_collectives()` counts the calls
-# each rank makes through `dist.<name>`, for the case where their number differs.
-# `TORCH_DISTRIBUTED_DEBUG=DETAIL` does not catch this one: it compares each call's operation and
+# The replicas then drift apart, so `gst.checks.assert_replicas_equal(model)` after a step catches
+# it (the different-weights pitfall). `gst.detect.count_collectives()` counts the calls each rank
+# makes through `dist.<name>`, for the case where their number differs.
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` does not catch this one. It compares each call's operation and
 # shapes, and here they agree:
 
 # %%
@@ -746,384 +749,39 @@ assert min(error, ranks) > 1e-3
 
 # %% [markdown]
 #
-# **On GPUs (NCCL)**, the same environment variable works, and a hang ends at the process
-# group's timeout (above). NCCL's **flight recorder** records the last collectives of every rank
-# and writes them to a file when that timeout hits; per PyTorch's
-# [Flight Recorder tutorial](https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html),
+# **On GPUs (NCCL)**, the same environment variable works, and a hang ends at the process group's
+# timeout (above). NCCL's **flight recorder** records the last collectives of every rank. It writes
+# them to a file when that timeout hits. Two variables turn it on, per PyTorch's
+# [Flight Recorder tutorial](https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html):
 # `TORCH_NCCL_TRACE_BUFFER_SIZE=2000` (the number of entries kept) and
-# `TORCH_NCCL_DUMP_ON_TIMEOUT=true` turn it on, and an analyzer script compares the ranks' records
-# to find the rank and the call where they diverged. (Not run here: it needs NCCL, that is GPUs.)
+# `TORCH_NCCL_DUMP_ON_TIMEOUT=true`. An analyzer script then compares the ranks' records. It finds
+# the
+# rank and the call where they diverged. This is not run here: it needs NCCL, that is GPUs.
 #
 # **Fix**: call the collective on every rank, and branch only around the printing. Counted, every
 # rank now makes the same calls:
 
-# %%
+# %% tags=["nbval-check-output"]
 def log_final_loss_counted(rank, world_size):
     with gst.detect.count_collectives() as calls:
         mean_loss = log_final_loss(rank, world_size, every_rank_reduces=True)
     return mean_loss, calls.total
 
 
-# %% tags=["nbval-check-output"]
 results = gst.launch(log_final_loss_counted, WORLD_SIZE)
 print("(mean loss, collective calls) per rank:", results)
 assert results == [((WORLD_SIZE + 1) / 2, 1)] * WORLD_SIZE
 
 
 # %% [markdown]
-# ## Unused parameter: a parameter without a gradient
-#
-# **Bug**: a module that does not take part in the loss: a head used only in another task, a
-# layer left over from an experiment. Its `.grad` stays `None` after `backward()`.
-
-# %%
-class WithUnusedHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = gst.model.Net()
-        self.aux_head = nn.Linear(10, 10)  # used only if use_aux: else its .grad stays None
-
-    def forward(self, x, use_aux=False):
-        out = self.net(x)
-        return out + self.aux_head(out) if use_aux else out
-
-
-def tutorial_average_gradients(model):  # the tutorial's, ReduceOp for reduce_op: no None check
-    size = float(dist.get_world_size())
-    for param in model.parameters():
-        dist.all_reduce(param.grad.data, op=dist.ReduceOp.SUM)
-        param.grad.data /= size
-
-
-def train_unused(rank, world_size, mode, aux_ranks=(), steps=2):
-    torch.manual_seed(SEED)
-    device = gst.local_device()
-    model = WithUnusedHead().to(device)
-    if mode.startswith("ddp"):
-        model = DDP(model, find_unused_parameters=mode == "ddp, find_unused_parameters")
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    g = torch.Generator().manual_seed(rank)  # random images: the data do not matter here
-    for _ in range(steps):
-        x = torch.randn(GLOBAL_BATCH // world_size, 1, 28, 28, generator=g).to(device)
-        y = torch.randint(10, (GLOBAL_BATCH // world_size,), generator=g).to(device)
-        optimizer.zero_grad()
-        F.nll_loss(model(x, use_aux=rank in aux_ranks), y).backward()
-        if mode == "tutorial":
-            tutorial_average_gradients(model)
-        elif mode == "skip None":
-            average_gradients(model)  # notebook 02's version
-        elif mode == "zeros":  # a zero gradient where there is none: every rank, every call
-            for param in model.parameters():
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            average_gradients(model)
-        optimizer.step()
-    plain = model.module if mode.startswith("ddp") else model
-    no_grad = [name for name, param in plain.named_parameters() if param.grad is None]
-    return {"rank_diff": gst.checks.max_diff_across_ranks(plain), "no_grad": no_grad}
-
-
-# %% [markdown]
-# **Symptom, manual averaging**: an `AttributeError` in the first step, when the tutorial's
-# `average_gradients` reaches the first `None` gradient:
-
-# %%
-try:
-    gst.launch(train_unused, WORLD_SIZE, args=("tutorial", (), 1))  # one step
-except gst.RankFailedError as err:
-    print(str(err).splitlines()[0])
-    assert "AttributeError: 'NoneType' object has no attribute 'data'" in str(err)
-else:
-    raise AssertionError("the tutorial's average_gradients should fail on a None gradient")
-
-# %% [markdown]
-# **Symptom, DDP**: after the first backward pass DDP still waits for the gradient of
-# `aux_head`, so the bucket that holds it is never reduced: step 1 runs without an error, but
-# with each rank's own gradients (the replicas differ after it). The forward pass of step 2
-# raises a `RuntimeError`, whose message names the cause, the fix, and the indices of the
-# parameters that got no gradient (here 8 and 9, `aux_head`'s weight and bias):
-
-# %%
-one_step = gst.launch(train_unused, WORLD_SIZE, args=("ddp", (), 1))
-print(f"DDP, after step 1: no error, max difference between ranks {one_step[0]['rank_diff']:.1e}")
-assert one_step[0]["rank_diff"] > 0  # step 1's gradients were not averaged
-try:
-    gst.launch(train_unused, WORLD_SIZE, args=("ddp",))  # 2 steps
-except gst.RankFailedError as err:
-    message = str(err)
-    print(message[: message.index("If you already")])
-    print(next(line for line in message.splitlines() if line.startswith("Parameter indices")))
-    assert "Expected to have finished reduction in the prior iteration" in message
-    assert "find_unused_parameters=True" in message and "did not receive grad" in message
-else:
-    raise AssertionError("DDP should fail in the second step")
-
-# %% [markdown]
-# **Detect**: the errors above; or list the parameters whose `.grad` is still `None` after a
-# `backward()`, as `train_unused` returns them below.
-#
-# **Fix**: remove the unused module, or skip `None` gradients in manual code (notebook 02's
-# `average_gradients`), or pass `find_unused_parameters=True` to DDP. Both train, and the
-# replicas agree:
-
-# %%
-skip_none = gst.launch(train_unused, WORLD_SIZE, args=("skip None",))
-find_unused = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters",))
-
-# %% tags=["nbval-check-output"]
-print("parameters without a gradient:", skip_none[0]["no_grad"])
-print("max difference between ranks:", skip_none[0]["rank_diff"], "(skip None),",
-      find_unused[0]["rank_diff"], "(DDP)")
-assert all(r["no_grad"] == ["aux_head.weight", "aux_head.bias"] for r in skip_none + find_unused)
-assert all(r["rank_diff"] == 0.0 for r in skip_none + find_unused)
-
-
-# %% [markdown]
-# `find_unused_parameters=True` has a cost: after every forward pass DDP traverses the autograd
-# graph to find the parameters that will get no gradient. PyTorch's
-# [DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html#internal-design): "traversing the
-# autograd graph introduces extra overheads, so applications should only set
-# `find_unused_parameters` to `True` when necessary". How much depends on the model; this course
-# does not time it. DDP warns when the flag finds nothing to do (below).
-# %% [markdown]
-# Skipping `None` is right only if **every** rank skips the same parameters. If a branch depends
-# on the data, one rank may have a gradient where another has `None`; the ranks then make
-# different numbers of `all_reduce` calls (the skipped-collective pitfall). For that case, replace a missing
-# gradient with zeros so that every rank makes every call; DDP with
-# `find_unused_parameters=True` handles it by itself. Here only rank 0 uses `aux_head`:
-
-# %%
-only_rank_0 = (0,)  # the ranks that use aux_head
-zeros = gst.launch(train_unused, WORLD_SIZE, args=("zeros", only_rank_0))
-ddp_rank_0 = gst.launch(train_unused, WORLD_SIZE, args=("ddp, find_unused_parameters", only_rank_0))
-
-# %% [markdown]
-# Rank 0's warning, `find_unused_parameters=True was specified`, is expected: rank 0 uses every
-# parameter, so DDP found nothing unused *there*. Rank 1 skips `aux_head`, and that is why the
-# flag is needed (the warning looks at one rank only). (`[rank 0]` is the launcher's tag,
-# `[rank0]:` torch's own.) Both fixes keep the replicas equal:
-
-# %% tags=["nbval-check-output"]
-print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
-      ddp_rank_0[0]["rank_diff"], "(DDP)")
-assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
-
-
-# %% [markdown]
-#
-# ## BatchNorm buffers: the statistics drift apart
-#
-# **Bug**: averaging gradients keeps the *parameters* equal, but `BatchNorm`'s running mean and
-# variance are *buffers*, updated in the forward pass from each rank's own batch. Nothing
-# averages them, so each rank evaluates with different statistics.
-
-# %%
-def train_bn(rank, world_size, mode, steps=3):
-    torch.manual_seed(SEED)
-    device = gst.local_device()
-    model = nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 24 * 24, 10)).to(device)
-    if mode == "SyncBatchNorm":  # batch statistics over the global batch; GPU only
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if mode in ("DDP", "SyncBatchNorm"):
-        model = DDP(model)  # broadcast_buffers=True, the default
-    plain = model.module if isinstance(model, DDP) else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    images, labels = gst.data.load(train=True)
-    for step in range(steps):
-        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
-        optimizer.zero_grad()
-        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
-        if mode == "manual":
-            average_gradients(model)
-        optimizer.step()
-    diffs = {"parameters": gst.checks.max_diff_across_ranks(plain),
-             "buffers after training": gst.checks.max_diff_across_ranks(plain.named_buffers())}
-    model.eval()
-    with torch.no_grad():
-        model(images[:8].to(device))  # evaluation, through the DDP wrapper if there is one
-    diffs["buffers at evaluation"] = gst.checks.max_diff_across_ranks(plain.named_buffers())
-    return diffs
-
-
-# %%
-bn_manual = gst.launch(train_bn, WORLD_SIZE, args=("manual",))[0]
-bn_ddp = gst.launch(train_bn, WORLD_SIZE, args=("DDP",))[0]
-
-# %% [markdown]
-# **Symptom and detection**: the parameters agree, the running statistics do not.
-# `gst.checks.max_diff_across_ranks(model, buffers=True)` (or `assert_replicas_equal`)
-# compares the buffers too.
-
-# %%
-print("max difference between ranks:")
-for name, diffs in [("manual averaging", bn_manual), ("DDP", bn_ddp)]:
-    print(f"  {name:16}", ", ".join(f"{key} {value:.2g}" for key, value in diffs.items()))
-assert bn_manual["parameters"] == 0.0 and bn_manual["buffers at evaluation"] > 1e-4
-assert bn_ddp["parameters"] == 0.0 and bn_ddp["buffers at evaluation"] == 0.0
-assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass updated its own
-
-
-# %% [markdown]
-# **Fix**: DDP's `broadcast_buffers=True` (the default; recent versions call it
-# `forward_sync_buffers`) copies rank 0's buffers to every rank at the start of each forward
-# pass, evaluation included. So every forward through the wrapper is a collective. Evaluate
-# through it on every rank, with the same number of batches. Or evaluate `model.module` on
-# rank 0 alone: its buffers are the ones DDP broadcasts (both checked at the end of this
-# section). Not `model.module` on another rank: between two forward passes each rank's buffers
-# hold its own last update. `nn.SyncBatchNorm` goes further; its documentation says "The mean and
-# standard-deviation are calculated per-dimension over all mini-batches of the same process
-# groups", so the running statistics should agree right after training (the cell after next
-# checks it, on a machine with a GPU per rank; this notebook's committed outputs ran on CPUs). It
-# runs on accelerators, not on the CPU, where it raises:
-
-# %%
-def sync_batchnorm_on_cpu(rank, world_size):
-    try:
-        nn.SyncBatchNorm(8)(torch.randn(4, 8, 3, 3))  # training mode, a CPU tensor
-    except ValueError as e:
-        return str(e)
-
-
-message = gst.launch(sync_batchnorm_on_cpu, WORLD_SIZE)[0]
-print("on the CPU:", message)
-assert message.startswith("SyncBatchNorm expected input tensor to be on GPU")
-
-# %%
-if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE:  # a GPU per rank
-    bn_sync = gst.launch(train_bn, WORLD_SIZE, args=("SyncBatchNorm",))[0]
-    print("SyncBatchNorm, max difference between ranks:", bn_sync)
-    assert bn_sync["parameters"] == 0.0 and bn_sync["buffers after training"] <= 1e-6
-else:
-    print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
-
-# %% [markdown]
-# **Bug, in the fix**: `if rank == 0: evaluate(ddp_model)`. That forward broadcasts the buffers
-# on rank 0 alone, even in `eval()` mode under `no_grad()`: the skipped collective above, a
-# hang. Two steps of training, then one evaluation batch, three ways:
-
-# %%
-def evaluate_bn(rank, world_size, how, steps=2):
-    torch.manual_seed(SEED)
-    device = gst.local_device()
-    model = DDP(nn.Sequential(nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                              nn.Linear(8 * 24 * 24, 10)).to(device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    images, labels = gst.data.load(train=True)
-    for step in range(steps):  # each rank updates its statistics from its own batches
-        idx = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
-        optimizer.zero_grad()
-        F.cross_entropy(model(images[idx].to(device)), labels[idx].to(device)).backward()
-        optimizer.step()
-    model.eval()
-    x = images[-64:].to(device)  # the evaluation batch
-    with torch.no_grad():
-        if how == "DDP, every rank":
-            return model(x).cpu()
-        if rank == 0:  # evaluation on rank 0 only
-            return (model if how == "DDP, rank 0 only" else model.module)(x).cpu()
-    return None
-
-
-# %% [markdown]
-# **Symptom**: in its own launch (a failed collective breaks its group), rank 0 waits in DDP's
-# broadcast, and the launcher's timeout names it:
-
-# %%
-try:
-    gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, rank 0 only",), timeout=HANG_TIMEOUT)
-except gst.LaunchTimeoutError as err:
-    print(err)
-    assert err.unfinished == [0]
-
-# %% [markdown]
-# **Fix**: on rank 0 alone, evaluate `model.module`. It gives what every rank computes through
-# the wrapper, to the last bit:
-
-# %%
-every_rank = gst.launch(evaluate_bn, WORLD_SIZE, args=("DDP, every rank",))[0]
-module_on_0 = gst.launch(evaluate_bn, WORLD_SIZE, args=("model.module, rank 0 only",))[0]
-difference = (every_rank - module_on_0).abs().max().item()
-print(f"max |DDP on every rank - model.module on rank 0| = {difference}")
-assert difference == 0.0
-
-# %% [markdown]
-# ## Accumulation: all-reducing every micro-batch
-#
-# To train with a global batch larger than fits in memory, each rank runs several micro-batches
-# and steps once. **Bug**: averaging after every micro-batch's `backward()` (or letting DDP do it,
-# which it does by default). The result is right, since averaging is linear, but it makes K
-# times the communication. **Fix**: average once, after the last micro-batch; with DDP, run the
-# other micro-batches inside `model.no_sync()`.
-#
-# The code below divides each micro-batch's mean loss by `MICRO_BATCHES`. That gives the mean
-# over the whole batch **only because its micro-batches are equal** (256 / N / 4 samples each).
-# With unequal micro-batches (the last one of an epoch, or losses over a varying number of
-# tokens) it is the mean-of-means bug again, across micro-batches:
-# [notebook 07](07_which_mean.ipynb) shows it and its fix, the loss sum divided by the count over
-# all micro-batches and ranks.
-
-# %%
-MICRO_BATCHES = 4
-
-def train_accumulate(rank, world_size, use_ddp, sync_every_micro_batch, steps=3):
-    torch.manual_seed(SEED)
-    device = gst.local_device()
-    model = gst.model.Net().eval().to(device)  # eval: no dropout, for exact comparisons
-    with gst.detect.count_collectives() as calls:
-        if use_ddp:
-            model = calls.watch(DDP(model))  # also count DDP's bucket all-reduces
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        images, labels = gst.data.load(train=True)
-        for step in range(steps):
-            batch = torch.arange(GLOBAL_BATCH)[rank::world_size] + step * GLOBAL_BATCH
-            optimizer.zero_grad()
-            for k, idx in enumerate(batch.chunk(MICRO_BATCHES)):
-                last = k == MICRO_BATCHES - 1
-                x, y = images[idx].to(device), labels[idx].to(device)
-                if use_ddp and not (last or sync_every_micro_batch):
-                    with model.no_sync():  # the fix, DDP: no all-reduce in this backward
-                        (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
-                else:
-                    (F.nll_loss(model(x), y) / MICRO_BATCHES).backward()
-                if not use_ddp and (last or sync_every_micro_batch):  # the fix: last only
-                    average_gradients(model)
-            optimizer.step()
-    plain = model.module if use_ddp else model
-    return {"state": plain.state_dict(), "calls": dict(calls.calls)}
-
-
-# %%
-accumulated = {
-    (use_ddp, every): gst.launch(train_accumulate, WORLD_SIZE, args=(use_ddp, every))[0]
-    for use_ddp in (False, True) for every in (True, False)
-}
-
-# %%
-print(f"{'':6}  {'sync':17}  collective calls in 3 steps")
-for (use_ddp, every), r in accumulated.items():
-    sync = "every micro-batch" if every else "last only"
-    print(f"{'DDP' if use_ddp else 'manual':6}  {sync:17}  {r['calls']}")
-
-reference = accumulated[(False, False)]["state"]
-for key, r in accumulated.items():
-    assert gst.checks.compare_state_dicts(r["state"], reference, show=False) <= 1e-6, key
-manual_every, manual_last = (accumulated[(False, e)]["calls"]["all_reduce"] for e in (True, False))
-ddp_every, ddp_last = (accumulated[(True, e)]["calls"][gst.detect.DDP_KEY] for e in (True, False))
-assert manual_every == MICRO_BATCHES * manual_last and ddp_every == MICRO_BATCHES * ddp_last
-print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
-      f"manual {manual_every} -> {manual_last}, DDP buckets {ddp_every} -> {ddp_last}")
-
-
-# %% [markdown]
 # ## Local loss: logging a rank's own loss as the global loss
 #
-# **Bug**: `losses.append(loss.item())` on rank 0, plotted as "the training loss". It is the
-# loss of rank 0's 1/N of each batch, not of the batch. (Every run of `train` above logged
-# exactly this.) **Fix**: all-reduce a copy of the loss, on every rank, and divide (weighted by
-# the counts when the batches are uneven: the mean-of-means pitfall). That is one more
-# collective per logged step, which every rank must make (counted below); log every few steps
-# if it costs you.
+# **Bug**: `losses.append(loss.item())` on rank 0, plotted as "the training loss". It is the loss of
+# rank 0's 1/N of each batch, not of the batch. Every run of `train` above logged exactly this.
+#
+# **Fix**: all-reduce a copy of the loss, on every rank, and divide. When the batches are uneven,
+# weight it by the counts (the mean-of-means pitfall). That is one more collective per logged step,
+# which every rank must make (counted below). Log every few steps if it costs you.
 
 # %%
 def global_loss(loss):  # the fix: every rank calls it, every rank gets the same value
@@ -1132,7 +790,6 @@ def global_loss(loss):  # the fix: every rank calls it, every rank gets the same
     return (mean / dist.get_world_size()).item()
 
 
-# %%
 logged_global = gst.launch(partial(train, log=global_loss), WORLD_SIZE)
 
 
@@ -1145,9 +802,9 @@ def one_logged_step(rank, world_size):
 assert gst.launch(one_logged_step, WORLD_SIZE) == [1] * WORLD_SIZE  # one all_reduce a log
 
 # %% [markdown]
-# **Symptom**: each rank's curve wanders around the global one (dashed); the global loss is the
-# mean of the ranks' own losses (the training is the same, only the logging changed), and every
-# rank logs the same value.
+# **Symptom**: each rank's curve wanders around the global one (dashed). The training is the same;
+# only the logging changed. The global loss is the mean of the ranks' own losses, and every rank
+# logs the same value.
 
 # %%
 local0 = torch.tensor(correct[0]["logged"])  # rank 0's own loss, step by step
@@ -1170,11 +827,11 @@ fig = gst.plots.plot_loss_curves(
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/04_pitfall_fixes.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`, in plain torch: the three checks `gst.checks` and
-# `gst.detect` do here take a few lines each. The comments name the pitfalls. Its end is the DDP
-# form of the mean-of-means fix (DDP divides by the world size, so scale this rank's part by
-# it), checked against the loop's on uneven local batches.
+# `snippets/04_pitfall_fixes.py` is a whole script in plain torch. The course's tests run it with
+# `torchrun --standalone --nproc-per-node 2`. The three checks that `gst.checks` and `gst.detect` do
+# here take a few lines each, and the comments name the pitfalls. Its end is the DDP form of the
+# mean-of-means fix: DDP divides by the world size, so scale this rank's part by it. The snippet
+# checks it against the loop's on uneven local batches.
 #
 # <!-- snippets/04_pitfall_fixes.py -->
 # ```python
@@ -1304,33 +961,35 @@ fig = gst.plots.plot_loss_curves(
 #     main()
 # ```
 #
-# With DDP: `DDP(model)` (different weights), `find_unused_parameters=True` only if needed (unused
-# parameter),
-# `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (BatchNorm buffers), `with
-# model.no_sync():` for all but the last micro-batch (accumulation), `with Join([model]):` for
-# uneven inputs (uneven steps; add `divide_by_initial_world_size=False`, and the optimizer state
-# still differs: both measured above). Evaluate through the wrapper on every rank, or
-# `model.module` on rank 0 alone (BatchNorm buffers). Under nccl, pass `monitored_barrier` a
-# gloo group, `dist.new_group(backend="gloo")`. Count what your code communicates with
-# `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch), or the course's helper
-# `with gst.detect.count_collectives() as calls:` (and `calls.watch(ddp_model)`).
+# With DDP, the fixes take one line each:
+#
+# - `DDP(model)` copies rank 0's weights (different weights).
+# - `with Join([model]):` handles uneven inputs (uneven steps). Add
+#   `divide_by_initial_world_size=False`; the optimizer state still differs (both measured above).
+# - `find_unused_parameters=True`, only if needed (unused parameter, notebook 03).
+# - `nn.SyncBatchNorm.convert_sync_batchnorm(model)` on GPUs (BatchNorm buffers, notebook 03).
+#   Evaluate through the wrapper on every rank, or `model.module` on rank 0 alone.
+# - `with model.no_sync():` for all but the last micro-batch (accumulation, notebook 03).
+#
+# Under nccl, pass `monitored_barrier` a gloo group, `dist.new_group(backend="gloo")`. To count what
+# your code communicates, set `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch). The course's helper does it
+# too: `with gst.detect.count_collectives() as calls:` (and `calls.watch(ddp_model)`).
 #
 # ## Exercise
 #
-# Write `global_mean_loss(losses)`, the number to log (the mean-of-means and local-loss
-# pitfalls). `losses` holds this
-# rank's per-sample losses in a step (`F.nll_loss(..., reduction="none")`), and the ranks hold
-# different numbers of them. Return the mean over **all** the ranks' samples, as a float, the
-# same on every rank: reduce this rank's sum of the losses together with its count (one
-# `dist.all_reduce` on `torch.stack([...])` sends both), then divide once. Leave `losses` itself
-# alone (in training, `backward()` still needs it), and remember that every rank must call the
-# collective (the skipped-collective pitfall).
+# Write `global_mean_loss(losses)`, the number to log (the mean-of-means and local-loss pitfalls).
+# `losses` holds this rank's per-sample losses in a step (`F.nll_loss(..., reduction="none")`). The
+# ranks hold different numbers of them. Return the mean over **all** the ranks' samples, as a float,
+# the same on every rank. Reduce this rank's sum of the losses together with its count, then divide
+# once. One `dist.all_reduce` on `torch.stack([...])` sends both. Leave `losses` itself alone: in
+# training, `backward()` still needs it. Remember that every rank must call the collective (the
+# skipped-collective pitfall).
 #
-# The check below runs it on 2 ranks, then on 3, each holding a different number of samples
-# (numbers and losses drawn afresh each time), and compares what each rank returns with the
-# mean over all of them. It prints "✓ correct", or fails with what is wrong (the mean of the
-# means, a sum not divided, a rank that skipped the all_reduce...); until you write the function,
-# it says "not attempted yet". Stuck? `%load solutions/04_global_mean_loss.py` in a new cell.
+# The check below runs it on 2 ranks, then on 3, each holding a different number of samples. The
+# numbers and losses are drawn afresh each time. It compares what each rank returns with the mean
+# over all of them. It prints "✓ correct", or fails with what is wrong: the mean of the means, a sum
+# not divided, a rank that skipped the all_reduce... Until you write the function, it says "not
+# attempted yet". Stuck? `%load solutions/04_global_mean_loss.py` in a new cell.
 
 # %%
 def global_mean_loss(losses):
@@ -1342,8 +1001,8 @@ def global_mean_loss(losses):
 gst.exercises.check_global_mean_loss(global_mean_loss)
 
 # %% [markdown]
-# **One more, not checked**: make the uneven-steps pitfall finish **without** a sampler and without DDP: in
-# `train`, before the loop, let the ranks agree on the smallest number of batches
-# (`dist.all_reduce(..., op=dist.ReduceOp.MIN)`) and have every rank stop there. Check with
-# `gst.launch(..., timeout=HANG_TIMEOUT)` on `n=N_UNEVEN` that it finishes, that every rank took
-# the same number of steps, and that the replicas agree. Which samples did training skip?
+# **One more, not checked**: make the uneven-steps pitfall finish **without** a sampler and without
+# DDP. In `train`, before the loop, let the ranks agree on the smallest number of batches
+# (`dist.all_reduce(..., op=dist.ReduceOp.MIN)`), and have every rank stop there. Check with
+# `gst.launch(..., timeout=HANG_TIMEOUT)` on `n=N_UNEVEN` that it finishes. Check that every rank
+# took the same number of steps, and that the replicas agree. Which samples did training skip?

@@ -709,11 +709,11 @@ for n in (2, 3, 4):
 
 
 # %% [markdown]
-# * For the same reason, `gradient_as_bucket_view=True` can change the last bits on 3 ranks. `x *
-#   (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does so when the
-#   gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain `zero_grad()`, which
-#   sets them to `None`, the bits are the default's. Two steps of DDP on the same batches, against
-#   the default:
+# * For the same reason, `gradient_as_bucket_view=True` can change the last bits on 3 ranks.
+#   `x * (1/3)` (the default) and `x / 3` (the in-place division) round differently. It does so when
+#   the gradients are zeroed in place, `zero_grad(set_to_none=False)`. With plain `zero_grad()`,
+#   which sets them to `None`, the bits are the default's. Two steps of DDP on the same batches,
+#   against the default:
 
 # %%
 def ddp_gradients(rank, world_size, as_view, set_to_none=True):

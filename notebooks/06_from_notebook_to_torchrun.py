@@ -138,11 +138,12 @@ print(inspect.getsource(train_ddp.main))
 #
 # ## Run it with torchrun, from here
 #
-# The same command as in a terminal, started with this kernel's Python. (`python -m
-# torch.distributed.run` *is* the `torchrun` command.) Each rank runs one thread, so that every run
-# below adds its numbers in the same order. The comparisons can then ask for equality. That is
-# torchrun's own default when a machine runs several ranks. It sets `OMP_NUM_THREADS=1` in every
-# rank unless the variable is already set, as the ranks of the first run above saw:
+# The same command as in a terminal, started with this kernel's Python.
+# (`python -m torch.distributed.run` *is* the `torchrun` command.) Each rank runs one thread, so
+# that every run below adds its numbers in the same order. The comparisons can then ask for
+# equality. That is torchrun's own default when a machine runs several ranks. It sets
+# `OMP_NUM_THREADS=1` in every rank unless the variable is already set, as the ranks of the first
+# run above saw:
 
 # %%
 omp = {env["OMP_NUM_THREADS"] for env in torchrun_envs}
@@ -658,8 +659,8 @@ print("without @record, the summary has no traceback: the error is only in the w
 # then compares 2 more steps of that run with 2 steps of a run resumed from your file. Your keys do
 # not matter: it finds the pieces by what they are. It prints "✓ correct", or fails with what is
 # wrong: a missing piece and how far the resumed run drifts, a file written by every rank, a rank
-# that did not wait. Until you write the function, it says "not attempted yet". Stuck? `%load
-# solutions/06_save_checkpoint.py` in a new cell.
+# that did not wait. Until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/06_save_checkpoint.py` in a new cell.
 
 # %%
 def save_checkpoint(path, model, optimizer, epochs_done):

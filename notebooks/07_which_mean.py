@@ -627,7 +627,7 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #   global_valid_tokens"
 #   ([trainer.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/trainer.py),
 #   [components/loss.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/components/loss.py)).
-# There is no × N: it turns the data-parallel division off instead. "Set gradient_divide_factor=1.0
+#   There is no × N: it turns the data-parallel division off instead. "Set gradient_divide_factor=1.0
 #   to disable FSDP's automatic gradient division. We handle gradient scaling ourselves in the
 #   training loop with global token count"
 #   ([distributed/fsdp.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/fsdp.py)).
@@ -778,8 +778,8 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # sequences. It compares the gradients and the loss with one process on all of them. Your
 # collectives must have delivered the global count. The parameters and the micro-batches must be
 # left as they were. It prints "✓ correct", or says what is wrong: the mean per micro-batch, a local
-# count, a forgotten × N... Until you write the function, it says "not attempted yet". Stuck? `%load
-# solutions/07_token_mean_backward.py` in a new cell.
+# count, a forgotten × N... Until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/07_token_mean_backward.py` in a new cell.
 
 # %%
 def token_mean_backward(model, micro_batches):

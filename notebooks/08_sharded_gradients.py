@@ -109,11 +109,11 @@ print("reduce_scatter then all_gather: the same, bit for bit, on every rank")
 #
 # DeepSpeed's ZeRO tutorial (`docs/_tutorials/zero.md` in deepspeedai/DeepSpeed) names the stages:
 #
-# > "**Stage 1**: The optimizer states [...] are partitioned across the processes, so that each >
-# process updates only its partition. **Stage 2**: The reduced 16-bit gradients for updating the >
-# model weights are also partitioned such that each process retains only the gradients >
-# corresponding to its portion of the optimizer states. **Stage 3**: The 16-bit model parameters >
-# are partitioned across the processes."
+# > "**Stage 1**: The optimizer states [...] are partitioned across the processes, so that each
+# > process updates only its partition. **Stage 2**: The reduced 16-bit gradients for updating the
+# > model weights are also partitioned such that each process retains only the gradients
+# > corresponding to its portion of the optimizer states. **Stage 3**: The 16-bit model parameters
+# > are partitioned across the processes."
 #
 # Here is stage 2 by hand, for SGD with momentum. The model's parameters live in one flat vector of
 # N equal shards; the last one is padded with zeros. Rank r keeps shard r of the gradient and of the
@@ -277,10 +277,10 @@ assert all(h == held[0] for h in held)  # every rank holds as much
 # FSDP2 shards the parameters too: stage 3 in DeepSpeed's words. `fully_shard(model, mesh=...)`
 # replaces every parameter by a **DTensor**. Each rank stores one shard of a DTensor's rows
 # (`Shard(dim=0)`). Before the module's forward and backward, FSDP2 all-gathers them. After backward
-# it reduce-scatters the gradients. The device mesh lists the ranks. It is `init_device_mesh("cpu",
-# (N,))` with gloo here, and `init_device_mesh("cuda", (N,))` with nccl on GPUs (`device.type` picks
-# it). The loop is notebook 03's, with one line in place of `DDP(model)` and whole tensors in the
-# state dict:
+# it reduce-scatters the gradients. The device mesh lists the ranks. It is
+# `init_device_mesh("cpu", (N,))` with gloo here, and `init_device_mesh("cuda", (N,))` with nccl on
+# GPUs (`device.type` picks it). The loop is notebook 03's, with one line in place of `DDP(model)`
+# and whole tensors in the state dict:
 
 # %% tags=["training-loop"]
 def train_fsdp(rank, world_size, epochs, lr=LR, dropout=True, dtype=torch.float32):
@@ -965,14 +965,15 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/08_fsdp2.py` is a whole script. The course's tests run it with `torchrun --standalone
-# --nproc-per-node 2`. It has notebook 06's `init_distributed()`, a device mesh on the device's
-# type, and `fully_shard` on each layer and on the model. It clips gradients with the global norm.
-# It checkpoints with `torch.distributed.checkpoint` (DCP), each rank writing its own shards. Its
-# `sum_gradients_over_ranks` is the loop above, for token-count losses. It ends by checking three
-# things on every rank. Three steps equal one process's on the whole batch. The checkpoint loads
-# back. A token-count loss on uneven ranks gets one process's gradient. The whole tensors of its
-# `full_tensor()` state dict are for the check only: they gather the whole model onto every rank.
+# `snippets/08_fsdp2.py` is a whole script. The course's tests run it with
+# `torchrun --standalone --nproc-per-node 2`. It has notebook 06's `init_distributed()`, a device
+# mesh on the device's type, and `fully_shard` on each layer and on the model. It clips gradients
+# with the global norm. It checkpoints with `torch.distributed.checkpoint` (DCP), each rank writing
+# its own shards. Its `sum_gradients_over_ranks` is the loop above, for token-count losses. It ends
+# by checking three things on every rank. Three steps equal one process's on the whole batch. The
+# checkpoint loads back. A token-count loss on uneven ranks gets one process's gradient. The whole
+# tensors of its `full_tensor()` state dict are for the check only: they gather the whole model onto
+# every rank.
 #
 # <!-- snippets/08_fsdp2.py -->
 # ```python
@@ -1122,15 +1123,15 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # Write `average_and_clip_shard(flat_grad, max_norm)`, the heart of a sharded optimizer step. Every
 # rank passes its own whole flat gradient, its length a multiple of the world size. Return this
 # rank's shard of the **mean** gradient. Shard r holds elements `r * size` to `(r + 1) * size`, with
-# `size = len(flat_grad) // world_size`. Clip it as `clip_grad_norm_` clips: multiply it by `min(1,
-# max_norm / (norm + 1e-6))`. Here `norm` is the norm of the *whole* mean gradient. Use one
+# `size = len(flat_grad) // world_size`. Clip it as `clip_grad_norm_` clips: multiply it by
+# `min(1, max_norm / (norm + 1e-6))`. Here `norm` is the norm of the *whole* mean gradient. Use one
 # `reduce_scatter`, then one `all_reduce` of a single number.
 #
 # The check runs it on 2 and on 3 ranks, with shards of 12, then 10 numbers. It runs with and
 # without clipping, against the reference. It looks at what your collectives delivered. `flat_grad`
 # must be left as it was, since it is the caller's. It prints "✓ correct", or fails with what is
-# wrong. Until you write the function, it says "not attempted yet". Stuck? `%load
-# solutions/08_average_and_clip_shard.py` in a new cell.
+# wrong. Until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/08_average_and_clip_shard.py` in a new cell.
 
 # %%
 def average_and_clip_shard(flat_grad, max_norm):

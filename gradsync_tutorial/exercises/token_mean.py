@@ -288,7 +288,7 @@ def _synced_every_micro_batch(run: Run) -> str | None:
     if ddp > 1:
         return (f"DDP all-reduced the gradients in {ddp} backward passes: run every micro-batch "
                 "but the last inside `with model.no_sync():`, so that DDP communicates once per "
-                f"step instead of {k} times (notebook 04's accumulation pitfall).")
+                f"step instead of {k} times (notebook 03's accumulation pitfall).")
 
 
 #: In order: a wrong gradient after changed inputs is told as the changed inputs.
