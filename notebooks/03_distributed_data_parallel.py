@@ -4,11 +4,14 @@
 # **Question: what does `DistributedDataParallel` (DDP) do, and does it give the same result as
 # averaging gradients by hand?**
 #
+# **Short answer:** wrap the model in `DDP(model)` and delete your averaging. On 2 ranks it trains
+# to notebook 02's parameters, bit for bit.
+#
 # Notebook 02 averaged gradients with one `all_reduce` per parameter, after `backward()`. DDP wraps
 # the model and does the same averaging *during* `backward()`, in a few large **buckets** (see the
-# [glossary](../README.md#glossary)). It also **broadcasts rank 0's parameters when it is built**,
-# so the replicas start equal even if the ranks were seeded differently. This notebook checks both
-# claims against notebook 02's own code.
+# [glossary](../README.md#glossary)). It also **broadcasts rank 0's parameters when it is built**.
+# So the replicas start equal even if the ranks were seeded differently. This notebook checks both
+# claims against notebook 02's own code. It then measures three pitfalls whose fix is a DDP option.
 
 # %%
 import os
@@ -36,9 +39,9 @@ import gradsync_tutorial as gst
 # ## `DistributedSampler` gives each rank the same shard as notebook 02
 #
 # Notebook 02 shuffled with a generator seeded `SEED + epoch` and gave rank `r` every N-th index,
-# `order[r::N]`. `DistributedSampler` does the same: its `set_epoch(epoch)` reseeds the shuffle with
-# `seed + epoch`, identically on every rank. (Forget `set_epoch` and every epoch repeats the same
-# order: notebook 04.)
+# `order[r::N]`. `DistributedSampler` does the same. Its `set_epoch(epoch)` reseeds the shuffle with
+# `seed + epoch`, identically on every rank. Forget `set_epoch`, and every epoch repeats the same
+# order (notebook 04).
 
 # %%
 images, labels = gst.data.load(train=True)
@@ -54,10 +57,10 @@ for epoch in range(2):
 print(f"DistributedSampler == order[rank::{WORLD_SIZE}] for every rank and epoch")
 
 # %% [markdown]
-# One difference: when the dataset's size is not a multiple of N, `DistributedSampler` gives every
-# rank the same number of samples by **repeating** the first ones of the order (notebook 02's
+# One difference: the dataset's size may not be a multiple of N. `DistributedSampler` then gives
+# every rank the same number of samples by **repeating** the first ones of the order. Notebook 02's
 # `order[rank::N]` would give some ranks one sample fewer, and the ranks would then disagree on the
-# number of steps). Here with 3N + 1 samples, unshuffled so the indices are readable:
+# number of steps. Here with 3N + 1 samples, unshuffled so the indices are readable:
 
 # %%
 size = 3 * WORLD_SIZE + 1
@@ -73,10 +76,9 @@ assert repeated == list(range(len(drawn) - size))  # the first ones, once more
 assert len(images) % WORLD_SIZE == 0  # the lesson's data: no repeats
 
 # %% [markdown]
-# (`drop_last=True` drops the extra samples instead of repeating some. Both are in
+# `drop_last=True` drops the extra samples instead of repeating some. Both are in
 # `DistributedSampler`'s documentation: "If `False`, the sampler will add extra indices to make the
-# data evenly divisible across the replicas." Evaluation has to care: see "Evaluating on N ranks"
-# below.)
+# data evenly divisible across the replicas." Evaluation has to care (below).
 #
 # ## The training loop with DDP
 #
@@ -117,11 +119,15 @@ changes = gst.notebooks.show_diff(train_02, train, names=("02: train", "03: trai
 assert changes == 6
 
 # %% [markdown]
-# Six places change, for three ideas: the model is wrapped in `DDP` (one line); the shard comes from
-# a `DistributedSampler` (two places: the sampler, and `set_epoch` in place of the shuffle); the
-# hand-written averaging is gone (the `average` argument and the `average(model)` call), since
-# `backward()` now averages. The last change reads the state dict from `model.module`, the `Net`
-# that DDP wraps.
+# Six places change, for three ideas:
+#
+# | idea | places |
+# |---|---|
+# | the model is wrapped in `DDP` | one line |
+# | the shard comes from a `DistributedSampler` | two: the sampler, and `set_epoch` in place of the shuffle |
+# | the hand-written averaging is gone, since `backward()` now averages | two: the `average` argument and the `average(model)` call |
+#
+# The last change reads the state dict from `model.module`, the `Net` that DDP wraps.
 
 # %%
 ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
@@ -131,14 +137,16 @@ manual = gst.launch(train_02, world_size=WORLD_SIZE, args=(EPOCHS,))
 # ## DDP = manual averaging
 #
 # Same seed, same shards, same optimizer: DDP's parameters match notebook 02's manual averaging. DDP
-# scales each gradient by 1/N *before* summing, in one bucket, while `average_gradients` sums, then
-# divides, tensor by tensor. With 2 ranks the two are even bit-identical: scaling by 1/2 is exact in
-# floating point, and a sum of two numbers does not depend on their order. (On GPUs, expected as
-# well, not yet run there: both runs use the deterministic kernels that `gst.launch` asks cuDNN
-# for.) With more ranks the last bits can differ, hence the tolerance. The main cause: DDP
-# multiplies each gradient by 1/N before the sum, `average_gradients` divides after it, and only for
-# N a power of two are both exact (measured below). The order of the additions can differ too, one
-# large bucket against 8 separate tensors.
+# scales each gradient by 1/N *before* summing, in one bucket. `average_gradients` sums, then
+# divides, tensor by tensor. With 2 ranks the two are even bit-identical. Scaling by 1/2 is exact in
+# floating point, and a sum of two numbers does not depend on their order. On GPUs this is expected
+# as well, but not yet run there; both runs use the deterministic kernels that `gst.launch` asks
+# cuDNN for.
+#
+# With more ranks the last bits can differ, hence the tolerance. The main cause is the order of
+# scaling and summing. DDP multiplies each gradient by 1/N before the sum, and `average_gradients`
+# divides after it. Only for N a power of two are both exact (measured below). The order of the
+# additions can differ too: one large bucket against 8 separate tensors.
 
 # %%
 diff = gst.checks.compare_state_dicts(ddp[0]["state"], manual[0]["state"], names=("DDP", "manual"))
@@ -153,8 +161,8 @@ assert gst.checks.compare_ranks([r["state"] for r in ddp], show=False) == 0.0
 print("DDP's replicas are identical across ranks")
 
 # %% [markdown]
-# The two loss curves lie on top of each other (the dashed line is manual averaging); how far apart
-# they are, step by step, is printed under the plot.
+# The two loss curves lie on top of each other; the dashed line is manual averaging. Their distance
+# per step is printed under the plot.
 
 # %% tags=["image:loss_curves_ddp.png"]
 fig = gst.plots.plot_loss_curves(
@@ -168,16 +176,18 @@ print(f"max |DDP - manual| over every step's loss: {max(gaps):.2g}")
 # %% [markdown]
 # ## Inside DDP: 1/N first, then one `all_reduce` per bucket
 #
-# With no hook registered, DDP's built-in reduction multiplies each gradient by 1/N as it copies it
-# into its bucket, then calls `all_reduce(SUM)` on the bucket. A **communication hook** replaces
-# that step: DDP hands it each filled bucket (`bucket.buffer()`, the gradients flattened, not yet
-# scaled) and takes back a `torch.futures.Future` of the reduced bucket.
-# `dist.all_reduce(buffer, async_op=True)` starts the call and returns a handle at once,
-# `.get_future()` turns the handle into a future, and `.then(fn)` says what the future's value is
-# when the call has finished: here the reduced buffer itself (notebook 05 uses hooks for more).
-# Below, DDP's reduction spelled out as our own hook, with a record of what it sees. Each rank's
-# hook receives one bucket: all 21,840 gradients of this small model. If this is what DDP does,
-# registering it changes nothing, bit for bit.
+# Without a hook, DDP multiplies each gradient by 1/N as it copies it into its bucket. It then calls
+# `all_reduce(SUM)` on the bucket. A **communication hook** replaces that step. DDP hands it each
+# filled bucket: `bucket.buffer()`, the gradients flattened, not yet scaled. It takes back a
+# `torch.futures.Future` of the reduced bucket. Three calls build it:
+#
+# - `dist.all_reduce(buffer, async_op=True)` starts the call and returns a handle at once;
+# - `.get_future()` turns the handle into a future;
+# - `.then(fn)` says what the future's value is when the call has finished (the buffer).
+#
+# Notebook 05 uses hooks for more. Below, DDP's reduction is spelled out as our own hook, with a
+# record of what it sees. Each rank's hook receives one bucket: all 21,840 gradients of this small
+# model. If this is what DDP does, registering it changes nothing, bit for bit.
 
 # %%
 def ddp_gradients(rank, world_size, batch, hook=None):
@@ -224,9 +234,9 @@ assert scaled == 0.0 and same == 0.0
 assert torch.allclose(final.sort().values, mean.sort().values, atol=1e-7)  # the mean, reordered
 
 # %% [markdown]
-# With 2 ranks, multiplying by 1/2 and dividing by 2 are the same (1/2 is exact). With 3 they are
-# not: 1/3 is rounded. On 3 ranks, our hook against DDP's built-in reduction, and PyTorch's own
-# `default_hooks.allreduce_hook`, which divides the bucket by N instead:
+# With 2 ranks, multiplying by 1/2 and dividing by 2 are the same, since 1/2 is exact. With 3 they
+# are not: 1/3 is rounded. Here on 3 ranks are our hook, DDP's built-in reduction, and PyTorch's own
+# `default_hooks.allreduce_hook`. The last one divides the bucket by N instead:
 
 # %%
 three = {hook: gst.launch(ddp_gradients, world_size=3, args=(batch, hook))[0]["grads"]
@@ -242,9 +252,9 @@ assert ours == 0 < divided
 # %% [markdown]
 # ## DDP broadcasts rank 0's weights at construction
 #
-# Now seed every rank differently, as happens when a script seeds with the rank or not at all
-# (notebook 02 measured how far apart that starts the replicas). `DDP(model)` copies rank 0's
-# parameters to every rank, so the replicas agree before the first step.
+# Now seed every rank differently, as a script does when it seeds with the rank or not at all.
+# (Notebook 02 measured how far apart that starts the replicas.) `DDP(model)` copies rank 0's
+# parameters to every rank. So the replicas agree before the first step.
 
 # %%
 def seeded_apart(rank, world_size):
@@ -264,13 +274,19 @@ assert before > 0.1 and after == 0.0
 #
 # Evaluation can be split across the ranks too, each scoring its part of the test set. Two things
 # make the naive version wrong. `DistributedSampler` pads the ranks' parts to equal length by
-# **repeating** samples (above), so the repeated ones are counted twice; and the mean of the ranks'
-# accuracies weighs ranks, not samples, whenever their parts differ in size. Here the trained DDP
-# model on a test set whose size no number of ranks from 2 to 4 divides, the first 1,001 test
-# images: the naive way (`DistributedSampler`, the mean of the ranks' accuracies), and the fix, each
-# sample on exactly one rank (`order[rank::N]`, unequal parts) and one `all_reduce` of the number
-# correct *and* the number scored. (The accuracy is low, an under-trained model: 96 steps, where
-# notebook 01 trains 470. It is not the point here.)
+# **repeating** samples (above), so the repeated ones are counted twice. And the mean of the ranks'
+# accuracies weighs ranks, not samples, whenever their parts differ in size.
+#
+# Here is the trained DDP model on the first 1,001 test images, a size that no number of ranks from
+# 2 to 4 divides. We compare two ways:
+#
+# | way | samples | accuracy |
+# |---|---|---|
+# | naive | `DistributedSampler` | the mean of the ranks' accuracies |
+# | fix | each sample on exactly one rank (`order[rank::N]`, unequal parts) | one `all_reduce` of the number correct *and* the number scored |
+#
+# The accuracy is low: an under-trained model, 96 steps, where notebook 01 trains 470. It is not the
+# point here.
 
 # %%
 N_EVAL = 1_001
@@ -672,10 +688,10 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 # %% [markdown]
 # ## Copy this into your code
 #
-# `snippets/03_ddp.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`: DDP, the sampler and its `set_epoch`, the loop over a
-# `DataLoader` that deals each rank its shard, and a checkpoint written by rank 0 alone, then a
-# `dist.barrier()` (notebook 06 says why).
+# `snippets/03_ddp.py` is a whole script. The course's tests run it with
+# `torchrun --standalone --nproc-per-node 2`. It holds DDP, the sampler and its `set_epoch`, and the
+# loop over a `DataLoader` that deals each rank its shard. Rank 0 alone writes a checkpoint, then
+# every rank calls `dist.barrier()` (notebook 06 says why).
 #
 # <!-- snippets/03_ddp.py -->
 # ```python
