@@ -1,31 +1,45 @@
 # %% [markdown]
 # # 09 — The precision of the sum: averaging gradients in fp32, bf16 and fp16
 #
-# **Question: when a model trains in bf16 or fp16, may its gradients be averaged in that
-# precision too? What does the average lose, and does the loss grow with the number of GPUs?**
+# **Question: when a model trains in bf16 or fp16, may its gradients be averaged in that precision
+# too? What does the average lose, and does the loss grow with the number of GPUs?**
 #
-# Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32
-# that sum is exact to about 1e-7. Sent in 16 bits instead, for half the bytes (FSDP2 does it by
-# default when it computes in bf16, section 3), the gradients are also *added* in 16 bits by the
-# backend. One report, from FSDP users: a model "trained well on 12x8 GPUs, but the training
-# would become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16`
-# resolved the issue" (with their settings None meant full precision;
-# [pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
+# **Short answer:** keep the *sum* in float32 where you can. A bf16 sum is off by about 2e-3 of the
+# mean gradient on 2 ranks, and the error grows about as √N. The rest, measured below on the
+# course's CNN:
 #
-# **Short answer: keep the *sum* in float32 where you can.** A bf16 sum is off by about 2e-3
-# of the mean gradient on 2 ranks and 2e-2 on 256. `torch.autocast` alone keeps it in float32
-# (its gradients are float32), FSDP2 does with `reduce_dtype=torch.float32`; DDP's
-# `bf16_compress_hook` and `fp16_compress_hook` do not. Why: a sum in a 16-bit format rounds at
-# every addition, and in a ring all-reduce every rank adds its gradient to a running sum, so the
-# error grows about as √N. Measured below on the course's CNN: fp16 is off by 3e-4 and 2e-3,
-# fp32 by less than 1e-6. fp16 has 3 more bits than bf16 but a range that ends at 65,504. When
-# the reduction itself is in fp16 (an fp16 model, `fp16_compress_hook`, FSDP2's
-# `reduce_dtype=torch.float16`), a sum of loss-scaled gradients overflows. Dividing by N first
-# loses the small ones at small scales; FSDP's split (about √N before the sum, the rest after)
-# avoids both here. In a short training run, the loss does not notice at 64 or 256 ranks; the
-# parameters do. With fp16's `GradScaler`, unscale
-# before clipping: the other order runs without a message and does not train. And PowerSGD, a
-# compression hook, is not an average at all.
+# | sum in | 2 ranks | 256 ranks |
+# |---|---|---|
+# | bf16 | about 2e-3 | about 2e-2 |
+# | fp16 | about 3e-4 | about 2e-3 |
+# | fp32 | below 1e-6 | below 1e-6 |
+#
+# | setup | where the sum is |
+# |---|---|
+# | `torch.autocast` alone (its gradients are float32) | float32 |
+# | FSDP2 with `reduce_dtype=torch.float32` | float32 |
+# | DDP's `bf16_compress_hook` and `fp16_compress_hook`, a model converted to bf16 | 16 bits |
+#
+# Why: a sum in a 16-bit format rounds at every addition. In a ring all-reduce every rank adds its
+# gradient to a running sum, so the error grows with N. fp16 has 3 more bits than bf16, but a range
+# that ends at 65,504. When the reduction itself is in fp16, a sum of loss-scaled gradients
+# overflows. That happens with an fp16 model, `fp16_compress_hook`, or FSDP2's
+# `reduce_dtype=torch.float16`. Dividing by N first loses the small gradients at small scales.
+# FSDP's split, about √N before the sum and the rest after, avoids both here.
+#
+# In a short training run, the loss does not notice at 64 or 256 ranks; the parameters do. With
+# fp16's `GradScaler`, unscale before clipping. The other order runs without a message and does not
+# train. And PowerSGD, a compression hook, is not an average at all.
+#
+# Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32 that
+# sum is exact to about 1e-7. The gradients may instead be sent in 16 bits, for half the bytes.
+# FSDP2
+# does it by default when it computes in bf16 (section 3). The backend then also *adds* them in 16
+# bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training would
+# become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16` resolved
+# the
+# issue". With their settings, None meant full precision
+# ([pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 
 # %%
 import os
@@ -58,11 +72,11 @@ NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
 # %% [markdown]
 # ## Three formats, and what a sum does to them
 #
-# A float is a sign, an exponent and a fraction. bf16 keeps fp32's exponent, so its range, but
-# 8 bits of precision instead of 24; fp16 has 11 bits of precision and a 5-bit exponent: nothing
-# above 65,504, and below its smallest normal number the *subnormal* numbers, with fewer and
-# fewer bits. `eps`, the gap between 1 and the next number, is the relative step of rounding: a
-# number rounded to the format moves by at most half a step, eps / 2 of itself.
+# A float is a sign, an exponent and a fraction. The bf16 format keeps fp32's exponent, so its
+# range, but has 8 bits of precision instead of 24. The fp16 format has 11 bits of precision and a
+# 5-bit exponent. Nothing lies above 65,504. Below its smallest normal number lie the *subnormal*
+# numbers, with fewer and fewer bits. `eps`, the gap between 1 and the next number, is the relative
+# step of rounding. A number rounded to the format moves by at most half a step, eps / 2 of itself.
 
 # %% tags=["nbval-check-output"]
 for dtype in FORMATS:
@@ -76,12 +90,12 @@ assert torch.finfo(torch.bfloat16).eps == 2**-7 and torch.finfo(torch.float16).e
 assert torch.finfo(torch.float16).max == 65504 and torch.finfo(torch.bfloat16).max > 3e38
 
 # %% [markdown]
-# The step is relative: it grows with the number. A running sum grows, so every new term is
-# rounded to the step of the sum so far. Add 1 to a bf16 sum 512 times: at 256 the step is 2,
-# 256 + 1 rounds back to 256 (a tie, rounded to the even neighbour), and the sum stops there.
-# `torch.sum` of the same bf16 tensor gets 512: it does not add one number at a time to a
-# running sum rounded to bf16. A ring all-reduce does: each rank sends its partial sum to the
-# next in the tensor's own format, and the next rank adds its own number and rounds again.
+# The step is relative: it grows with the number. A running sum grows, so every new term is rounded
+# to the step of the sum so far. Add 1 to a bf16 sum 512 times. At 256 the step is 2, so 256 + 1
+# rounds back to 256 (a tie, rounded to the even neighbour), and the sum stops there. `torch.sum` of
+# the same bf16 tensor gets 512. It does not add one number at a time to a running sum rounded to
+# bf16. A ring all-reduce does. Each rank sends its partial sum to the next in the tensor's own
+# format. The next rank adds its own number and rounds again.
 
 # %% tags=["nbval-check-output"]
 ones = torch.ones(512, device=DEVICE)
@@ -97,10 +111,10 @@ assert ones.bfloat16().sum() == 512
 # %% [markdown]
 # ## 1. One reduction, from 2 to 256 ranks
 #
-# Two real ranks cannot show an error that grows with N, and a laptop cannot start 256. But a
-# ring all-reduce in bf16 is arithmetic that one process can do, as notebook 02 emulated 8 GPUs.
-# First, the gradients: the course's CNN, one gradient per rank, each on its own 8 images, for
-# 256 ranks, computed in one call by `torch.func.vmap` (float32, as DDP computes them):
+# Two real ranks cannot show an error that grows with N, and a laptop cannot start 256. But a ring
+# all-reduce in bf16 is arithmetic that one process can do, as notebook 02 emulated 8 GPUs. First,
+# the gradients: the course's CNN, one gradient per rank, each on its own 8 images, for 256 ranks.
+# `torch.func.vmap` computes them in one call, in float32, as DDP computes them:
 
 # %%
 N_MAX, PER_RANK = 256, 8  # emulated ranks, images per rank
@@ -137,10 +151,10 @@ assert torch.allclose(rank_5, grads[5], **tolerance)  # GPUs: other kernels, TF3
 
 
 # %% [markdown]
-# The emulated all-reduce. A ring cuts the tensor into N chunks; each chunk travels once around
-# the ring, and each rank adds its own piece to the partial sum it receives before passing it
-# on. So every number of the result is a running sum over the ranks, started at some rank, and
-# rounded to the tensor's format at every hop. `ring_sum` adds the ranks in order 0, 1, 2...:
+# The emulated all-reduce. A ring cuts the tensor into N chunks. Each chunk travels once around the
+# ring. Each rank adds its own piece to the partial sum it receives before passing it on. So every
+# number of the result is a running sum over the ranks, started at some rank, and rounded to the
+# tensor's format at every hop. `ring_sum` adds the ranks in order 0, 1, 2...:
 
 # %%
 def ring_sum(grads, dtype):
@@ -152,12 +166,11 @@ def ring_sum(grads, dtype):
 
 
 # %% [markdown]
-# Is that what a real all-reduce does? Checked against gloo on 2 and 4 real ranks, each with
-# its own row of `grads`, in bf16 and fp16. On 2 ranks there is one addition, a + b, so the
-# results must be equal bit for bit. On 4 ranks the order of the additions is the ring's: each
-# number of the real result must be one of the ring's running sums (started at any rank, in
-# either direction), and its error against the exact (float64) sum must be about the
-# emulation's:
+# Is that what a real all-reduce does? We check it against gloo on 2 and 4 real ranks, each with its
+# own row of `grads`, in bf16 and fp16. On 2 ranks there is one addition, a + b, so the results must
+# be equal bit for bit. On 4 ranks the order of the additions is the ring's. Each number of the real
+# result must be one of the ring's running sums, started at any rank, in either direction. Its error
+# against the exact (float64) sum must be about the emulation's:
 
 # %%
 def real_all_reduce(rank, world_size, grads, dtype):
@@ -199,26 +212,31 @@ for (n, dtype), out in sorted(real.items(), key=lambda item: item[0][0]):
 
 
 # %% [markdown]
-# So the emulation is gloo's arithmetic. On 4 ranks only part of the numbers equal `ring_sum`'s:
-# gloo starts each chunk's running sum at another rank, and a rounded sum depends on the order;
-# the size of the error does not. NCCL, on GPUs, picks among several algorithms (ring,
-# tree...), in its maintainer's words: "NCCL will move from one combination to another
-# depending on the size [...] So there is no easy rule to determine which algorithm/protocol
-# is used"
-# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the
-# worst case of these, and the FSDP maintainers met the same thing: a bf16 all-reduce and a bf16
-# reduce-scatter disagree, "not an issue with world size 2 but starts being an issue at world
-# size 4" ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a
-# reduce-scatter carries the sums of an all-reduce bit for bit on gloo (notebook 08); on NCCL,
-# only up to the order of the additions.
+# So the emulation is gloo's arithmetic. On 4 ranks only part of the numbers equal `ring_sum`'s.
+# Gloo
+# starts each chunk's running sum at another rank, and a rounded sum depends on the order; the size
+# of
+# the error does not. NCCL, on GPUs, picks among several algorithms (ring, tree...). In its
+# maintainer's words: "NCCL will move from one combination to another depending on the size [...] So
+# there is no easy rule to determine which algorithm/protocol is used"
+# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the worst
+# case of these.
 #
-# **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU (the exact sum,
-# rounded to the nearest 16-bit number), so `ring_sum` gives the same bits on both: the next
-# cell checks it where this notebook runs on a GPU. What differs on a GPU is upstream: the
-# gradients themselves (other kernels, other orders of the float32 sums inside them, and TF32
-# convolutions, on by default as printed below, for which "only the first 10 bits of the input
-# mantissa are read": PyTorch's notes on numerical accuracy), and which algorithm NCCL picks.
-# So the figures below move a little on a GPU; the checks allow for it.
+# The FSDP maintainers met the same thing. A bf16 all-reduce and a bf16 reduce-scatter disagree,
+# "not an issue with world size 2 but starts being an issue at world size 4"
+# ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a reduce-scatter carries the
+# sums of an all-reduce bit for bit on gloo (notebook 08). On NCCL it does so only up to the order
+# of
+# the additions.
+#
+# **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU: the exact sum,
+# rounded to the nearest 16-bit number. So `ring_sum` gives the same bits on both; the next cell
+# checks it where this notebook runs on a GPU. What differs on a GPU is upstream. The gradients
+# themselves differ: other kernels, other orders of the float32 sums inside them. TF32 convolutions
+# are on by default, as printed below. **TF32** keeps only part of a float32's fraction (its
+# *mantissa*): "only the first 10 bits of the input mantissa are read", per PyTorch's notes on
+# numerical accuracy. And NCCL picks its own algorithm. So the figures below move a little on a GPU;
+# the checks allow for it.
 
 # %%
 on_device = ring_sum(grads[:64], torch.bfloat16).cpu()
@@ -230,10 +248,12 @@ print(f"ring_sum of 64 ranks in bf16, on this device ({DEVICE}) and on the CPU: 
 assert torch.equal(on_device, on_cpu)
 
 # %% [markdown]
-# Now the emulation from 2 to 256 ranks, against the exact mean (float64), in each format. Two
-# more lines show where the error comes from: a tree (pairs, then pairs of pairs: each number
-# meets log2(N) additions instead of N−1, of partial sums of similar sizes), and bf16 sent but
-# summed in float32 (the only rounding left is each rank's gradient rounded to bf16):
+# Now the emulation from 2 to 256 ranks, against the exact mean (float64), in each format. Two more
+# lines show where the error comes from:
+#
+# - a tree: pairs, then pairs of pairs. Each number meets log2(N) additions instead of N−1, of
+#   partial sums of similar sizes.
+# - bf16 sent but summed in float32. The only rounding left is each rank's gradient rounded to bf16.
 
 # %%
 def tree_sum(grads, dtype):  # pairs, then pairs of pairs (N a power of two)
@@ -290,37 +310,42 @@ assert errors["bf16, tree", 256] < 2 * errors["bf16, tree", 2]  # a tree: no gro
 assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # it even falls
 
 # %% [markdown]
-# How to read it. Rounding a gradient to bf16 moves each of its numbers by at most 2^-8 of
-# itself (printed above). Those roundings are independent from rank to rank, so in a float32
-# sum they average out: the dashed line falls as N grows. The ring's own roundings do not: its
-# k-th addition rounds at the scale of a partial sum of k gradients, which grows with k, and
-# N − 1 of them pile up, about as √N relative to the mean (p about 0.4 to 0.5 above, in all
-# three formats; fp32's stays below 1e-6). A tree only adds partial sums of equal sizes,
-# log2 N deep, and stays flat. fp16 is about 8 to 11 times more precise than bf16 at every N: its 3
-# more bits. A Megatron-LM feature request states the same law: "A ring reduce-scatter rounds
-# the partial sum at every one of its N-1 hops, so BF16 gradient error grows as √N with the axis
-# size"
+# How to read it. Rounding a gradient to bf16 moves each of its numbers by at most 2^-8 of itself
+# (printed above). Those roundings are independent from rank to rank, so in a float32 sum they
+# average out: the dashed line falls as N grows. The ring's own roundings do not. Its k-th addition
+# rounds at the scale of a partial sum of k gradients, which grows with k. N − 1 of them pile up,
+# about as √N relative to the mean. The fitted exponent p is about 0.4 to 0.5 above, in all three
+# formats; fp32's error stays below 1e-6. A tree only adds partial sums of equal sizes, log2 N deep,
+# and stays flat. fp16 is several times more precise than bf16 at every N (the ratios are printed
+# above): its 3 more bits.
+#
+# A Megatron-LM feature request states the same law: "A ring reduce-scatter rounds the partial sum
+# at
+# every one of its N-1 hops, so BF16 gradient error grows as √N with the axis size"
 # ([NVIDIA/Megatron-LM#6199](https://github.com/NVIDIA/Megatron-LM/issues/6199)).
 #
 # ## Divide before the sum, or after? fp16's range
 #
-# In bf16, dividing each gradient by N before the sum (as DDP and its hooks do, notebook 05) or
-# the sum by N after changes nothing here: N is a power of two and bf16 has fp32's range, so
-# both divisions are exact. fp16's range is the problem. fp16 training multiplies the loss by a
-# *scale* so that small gradients do not vanish in backward (`torch.amp.GradScaler`, which
-# starts at 2^16 and halves the scale whenever a gradient overflows). A reduction in fp16 (an
-# fp16 model, `fp16_compress_hook`, `reduce_dtype=torch.float16`) sums those scaled gradients.
-# (With `torch.autocast` the gradients are float32, and so is DDP's sum: section 3 measures
-# it.) Summing first in fp16, the sum of 256 ranks is 256 times their mean and overflows
-# 65,504 long before the mean would; dividing each gradient by 256 first pushes the small ones
-# into fp16's subnormal numbers, which have fewer bits, or to 0. FSDP's rule for fp16 splits
-# the division, about √N before the sum and the rest after; its code says why: "To avoid
-# overflow/underflow, we divide by ~sqrt(N) before/after the reduction" (torch's
+# In bf16 the place of the division changes nothing here. Each gradient can be divided by N before
+# the sum, as DDP and its hooks do (notebook 05), or the sum after. N is a power of two and bf16 has
+# fp32's range, so both divisions are exact. fp16's range is the problem.
+#
+# fp16 training multiplies the loss by a *loss scale*, so that small gradients do not vanish in
+# backward. `torch.amp.GradScaler` starts the scale at 2^16 and halves it whenever a gradient
+# overflows. A reduction in fp16 sums those scaled gradients: an fp16 model, `fp16_compress_hook`,
+# or `reduce_dtype=torch.float16`. With `torch.autocast` the gradients are float32, and so is DDP's
+# sum (section 3 measures it).
+#
+# Summing first in fp16, the sum of 256 ranks is 256 times their mean. It overflows 65,504 long
+# before the mean would. Dividing each gradient by 256 first pushes the small ones into fp16's
+# subnormal numbers, which have fewer bits, or to 0. FSDP's rule for fp16 splits the division: about
+# √N before the sum and the rest after. Its code says why: "To avoid overflow/underflow, we divide
+# by ~sqrt(N) before/after the reduction" (torch's
 # `torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py`).
 #
-# The three orders on 256 ranks, with the course's gradients times scales from 2^-8 to 2^18:
-# how many numbers overflow, and the error on the smallest tenth of the mean gradient's numbers
-# (those that underflow first):
+# Here are the three orders on 256 ranks, with the course's gradients times scales from 2^-8 to
+# 2^18. We count how many numbers overflow. We also measure the error on the smallest tenth of the
+# mean gradient's numbers, those that underflow first:
 
 # %%
 def predivide_factor(n):  # a power of two near √N, at least √N: FSDP's split for fp16
@@ -388,23 +413,25 @@ assert small_error[split, 2**-4] < 1.2 * small_error[first, 2**-4]
 assert all(same)
 
 # %% [markdown]
-# How to read it. Summing first overflows at a scale 16 times (√256) lower than the others,
-# already at GradScaler's starting scale, and GradScaler would then halve its scale until the
-# sum fits, losing those bits in backward instead. Dividing by 256 first overflows no earlier
-# than the cast of each gradient to fp16 itself (the same limit for the split), but at small
-# scales it loses the small gradients. The split has the good end of each: the top of dividing
-# first, the bottom of summing first. bf16 needs none of this, and FSDP2 divides before the sum
-# only for the other formats (fp16, and float64: notebook 08's table of divide factors): "For
-# fp32/bf16, we do not need to worry about overflow/underflow" (the same file).
+# How to read it. Summing first overflows at a scale 16 times (√256) lower than the others. It
+# overflows already at GradScaler's starting scale. GradScaler would then halve its scale until the
+# sum fits, losing those bits in backward instead. Dividing by 256 first overflows no earlier than
+# the cast of each gradient to fp16 itself; so does the split. But at small scales it loses the
+# small gradients. The split has the good end of each: the top of dividing first, the bottom of
+# summing first.
+#
+# bf16 needs none of this. FSDP2 divides before the sum only for the other formats: fp16, and
+# float64 (notebook 08's table of divide factors). The same file says: "For fp32/bf16, we do not
+# need to worry about overflow/underflow".
 #
 # ## 2. What training does with it
 #
-# One reduction on 256 ranks is off by 2e-2. Does a training run notice? A short run of a small
-# MLP on Fashion-MNIST, the course's global batch of 256 shared by 64 and then 256 emulated
-# ranks (4 images, then 1, per rank), with SGD and momentum. Every step: each rank's float32
-# gradient (vmap, as above), then the average as DDP's hooks compute it: cast, divide by N,
-# ring sum (float64 is the exact reference, the same for any N). Only the format of the sum
-# differs between runs:
+# One reduction on 256 ranks is off by 2e-2. Does a training run notice? We train a small MLP on
+# Fashion-MNIST for a short run, with SGD and momentum. The course's global batch of 256 is shared
+# by 64, then 256 emulated ranks: 4 images, then 1, per rank. Every step computes each rank's
+# float32 gradient (vmap, as above). Then it averages as DDP's hooks do: cast, divide by N, ring
+# sum. Float64 is the exact reference, the same for any N. Only the format of the sum differs
+# between runs:
 
 # %%
 STEPS = 20 if SMOKE_TEST else 60
@@ -447,8 +474,9 @@ for n in (64, 256):
         runs[NAME[dtype], n] = emulated_training(n, dtype, reference["path"])
 
 # %% [markdown]
-# The loss of each run, and how far its parameters are from the exact run's at every step, as a
-# fraction of how far training moved them (|θ − θ_exact| / |θ_exact − θ_start|, at the end):
+# The loss of each run, and how far its parameters are from the exact run's at every step. The
+# distance is a fraction of how far training moved them, |θ − θ_exact| / |θ_exact − θ_start|, at the
+# end:
 
 # %%
 travelled = (reference["end"] - reference["start"]).norm().item()
@@ -481,26 +509,26 @@ assert distance["bf16", 256] > 1.3 * distance["bf16", 64]  # grows with N, as on
 assert distance["fp16", 256] < distance["bf16", 256]
 
 # %% [markdown]
-# The loss curves coincide. The distances grow step after step: each step's rounding moves the
+# The loss curves coincide. The distances grow step after step. Each step's rounding moves the
 # parameters a little, and every later step starts from there. So at this size the 16-bit sums
-# change where training goes (bf16 by percents of the whole way, more at 256 ranks than at 64;
-# fp16 less; fp32 by less than 1e-5), but not how well it trains. That is not a licence:
-# pytorch#106395's model trained well on 96 GPUs and became unstable on 384, and the sum is only
-# one place where a 16-bit format enters. In
-# [torchtune#2254](https://github.com/meta-pytorch/torchtune/issues/2254), "Very bad convergence
-# with bf16", setting "FSDP's `reduce_dtype=fp32`" "did not seem to help much": that run was
-# "end-to-end bf16", its optimizer states included. The reduction is the cheap part to keep in
-# float32.
+# change where training goes, but not how well it trains. The bf16 runs move it by percents of the
+# whole way, more at 256 ranks than at 64. The fp16 runs move it less, and fp32 by less than 1e-5.
+#
+# That is not a licence. pytorch#106395's model trained well on 96 GPUs and became unstable on 384.
+# And the sum is only one place where a 16-bit format enters. In
+# [torchtune#2254](https://github.com/meta-pytorch/torchtune/issues/2254), "Very bad convergence with
+# bf16", setting "FSDP's `reduce_dtype=fp32`" "did not seem to help much". That run was "end-to-end
+# bf16", its optimizer states included. The reduction is the cheap part to keep in float32.
 #
 # ## 3. The knobs, each measured
 #
 # ### DDP: compression hooks, a bf16 model, autocast
 #
-# One backward through DDP on 2 ranks, with a small MLP, against the exact mean of the gradients
-# each rank computes in the same way (float64 sum). DDP's own reduction is run as its hook
-# `allreduce_hook` ("DDP results is expected to be same as the case where no hook was
-# registered", says its docstring), so that every case's `dist.all_reduce` is counted, with the
-# format of the tensor it carried:
+# One backward through DDP on 2 ranks, with a small MLP. The reference is the exact mean of the
+# gradients each rank computes in the same way (float64 sum). DDP's own reduction is run as its hook
+# `allreduce_hook`. Its docstring says: "DDP results is expected to be same as the case where no
+# hook was registered". So every case's `dist.all_reduce` is counted, with the format of the tensor
+# it carried:
 
 # %%
 def mlp():
@@ -574,12 +602,12 @@ assert "NCCL" in default_hooks.bf16_compress_hook.__doc__
 # %% [markdown]
 # How to read it:
 #
-# * **`torch.autocast` alone keeps the reduction in float32.** Autocast runs the forward's
-#   matrix products in bf16, but the parameters stay float32, so their gradients do, and DDP
-#   reduces float32 buckets: the safe setup.
-# * **The compression hooks** cast each bucket to bf16 or fp16, divide it by N and all-reduce
-#   it in that format: half the bytes, and the error of section 1 (here on 2 ranks). The bf16
-#   hook works on gloo, although its docstring (printed above) warns that
+# * **`torch.autocast` alone keeps the reduction in float32.** Autocast runs the forward's matrix
+#   products in bf16. But the parameters stay float32, so their gradients do, and DDP reduces
+#   float32 buckets: the safe setup.
+# * **The compression hooks** cast each bucket to bf16 or fp16, divide it by N and all-reduce it in
+#   that format. That halves the bytes, with the error of section 1 (here on 2 ranks). The bf16 hook
+#   works on gloo, although its docstring (printed above) warns that
 #   `it requires NCCL version later than 2.9.6`.
 # * **A model converted to bf16** has bf16 gradients, and DDP reduces them in bf16, hook or not.
 #
@@ -589,9 +617,9 @@ assert "NCCL" in default_hooks.bf16_compress_hook.__doc__
 #
 # ### FSDP2: `MixedPrecisionPolicy(param_dtype, reduce_dtype)`
 #
-# FSDP2 (notebook 08, [08_sharded_gradients.ipynb](08_sharded_gradients.ipynb), shows how it
-# reduce-scatters the gradients) runs forward and backward in `param_dtype` and reduces in
-# `reduce_dtype`. What `reduce_dtype=None` means, in torch's own docstring:
+# FSDP2 runs forward and backward in `param_dtype` and reduces in `reduce_dtype`. (Notebook 08,
+# [08_sharded_gradients.ipynb](08_sharded_gradients.ipynb), shows how it reduce-scatters the
+# gradients.) Here is what `reduce_dtype=None` means, in torch's own docstring:
 
 # %%
 try:
@@ -606,8 +634,9 @@ assert ("If this is ``None`` but ``param_dtype`` is not ``None``, then the reduc
 
 
 # %% [markdown]
-# Measured, on 2 ranks: the model in bf16 for compute (`param_dtype=torch.bfloat16`), and each of
-# the three `reduce_dtype`s, against the exact mean of the bf16 gradients each rank computes:
+# Measured on 2 ranks: the model in bf16 for compute (`param_dtype=torch.bfloat16`), with each of
+# the three `reduce_dtype`s. The reference is the exact mean of the bf16 gradients each rank
+# computes:
 
 # %%
 def fsdp_backward(rank, world_size, policy):
@@ -648,20 +677,20 @@ assert torch.equal(none["grad"], bf16_reduce["grad"])
 assert fp32_reduce["error"] < 1e-6 < 1e-4 < none["error"] < 1e-2
 
 # %% [markdown]
-# So with a bf16 `param_dtype`, leaving `reduce_dtype` out reduces in bf16;
-# `reduce_dtype=torch.float32` reduces the same bf16 gradients exactly (each rank's gradient is
-# cast up before the reduce-scatter, and the sum is float32). It sends twice the bytes of bf16,
-# the price pytorch#106395 named: "the model now runs slower since it's sending around
-# full-precision gradients".
+# So with a bf16 `param_dtype`, leaving `reduce_dtype` out reduces in bf16.
+# `reduce_dtype=torch.float32` reduces the same bf16 gradients exactly. Each rank's gradient is cast
+# up before the reduce-scatter, and the sum is float32. It sends twice the bytes of bf16, the price
+# pytorch#106395 named: "the model now runs slower since it's sending around full-precision
+# gradients".
 #
 # ### fp16 and `GradScaler` with DDP: unscale before clipping
 #
-# With fp16 autocast, `GradScaler` multiplies the loss by its scale (2^16 at first) so that
-# small gradients survive backward in fp16, and divides the gradients by it before the step.
-# DDP averages the *scaled* gradients during `backward()`; the scaler does not mind. Gradient
-# clipping does: `clip_grad_norm_` must see the true gradients, so call `scaler.unscale_(optimizer)`
-# first. In the wrong order it clips the scaled gradients to `max_norm`, and `scaler.step()` then
-# divides them by the scale once more. Twenty steps on 2 ranks, in both orders:
+# With fp16 autocast, `GradScaler` multiplies the loss by its scale (2^16 at first). Small gradients
+# then survive backward in fp16. It divides the gradients by it before the step. DDP averages the
+# *scaled* gradients during `backward()`; the scaler does not mind. Gradient clipping does.
+# `clip_grad_norm_` must see the true gradients, so call `scaler.unscale_(optimizer)` first. In the
+# wrong order it clips the scaled gradients to `max_norm`. `scaler.step()` then divides them by the
+# scale once more. Twenty steps on 2 ranks, in both orders:
 
 # %%
 def fp16_training(rank, world_size, unscale_first, steps=20, max_norm=1.0):
@@ -701,21 +730,22 @@ assert right["losses"][-1] < 0.8 * right["losses"][0]
 assert abs(wrong["losses"][-1] - wrong["losses"][0]) < 1e-3 * wrong["losses"][0]
 
 # %% [markdown]
-# The wrong order runs without a message and does not train: every step is clipped to a norm of
-# 1 in scaled units, then divided by 65,536. bf16 needs no scaler (its range is fp32's).
+# The wrong order runs without a message and does not train. Every step is clipped to a norm of 1 in
+# scaled units, then divided by 65,536. bf16 needs no scaler, since its range is fp32's.
 #
 # ## 4. Compression is not averaging: PowerSGD
 #
 # DDP's other built-in hook, PowerSGD, sends a low-rank approximation of each gradient matrix
-# instead of the matrix: for a weight of m×n numbers and an approximation of matrix rank k, each
-# rank sends (m + n)·k numbers (the 1-D biases go whole). What arrives is not the mean
-# gradient, and the hook knows it: with *error feedback* each rank keeps what the approximation
-# left out and adds it to the next step's gradient, so that over many steps the sum of what
-# arrived approaches the sum of the true means. Measured with the same batch and the same
-# weights at every step (no optimizer step), so the exact mean is one fixed vector: each
-# step's error, and the error of the running average of what arrived, with and without error
-# feedback (the first 2 steps are plain all-reduces: `start_powerSGD_iter=2`, the least torch
-# allows with error feedback):
+# instead of the matrix. For a weight of m×n numbers and an approximation of matrix rank k, each
+# rank sends (m + n)·k numbers; the 1-D biases go whole. What arrives is not the mean gradient, and
+# the hook knows it. With *error feedback* each rank keeps what the approximation left out and adds
+# it to the next step's gradient. Over many steps the sum of what arrived then approaches the sum of
+# the true means.
+#
+# We measure it with the same batch and the same weights at every step, with no optimizer step. So
+# the exact mean is one fixed vector. We measure each step's error, and the error of the running
+# average of what arrived, with and without error feedback. The first 2 steps are plain all-reduces:
+# `start_powerSGD_iter=2`, the least torch allows with error feedback:
 
 # %%
 def powersgd_steps(rank, world_size, steps, error_feedback, matrix_rank=1):
@@ -775,25 +805,26 @@ assert ef["step"][0] < 1e-6 and min(ef["step"][2:] + no_ef["step"][2:]) > 0.3
 assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0.05
 
 # %% [markdown]
-# Each compressed step is off by about as much as the gradient itself (a rank-1 picture of a
-# 256×784 matrix), and by more with error feedback, which adds what earlier steps left out.
-# Error feedback makes the *average* over steps converge to the mean, slowly; without it the
-# average stays wrong. So a PowerSGD step is not an average of the ranks' gradients: it is a
-# different optimizer, whose `matrix_approximation_rank` and `start_powerSGD_iter` its
-# docstring says to tune for the model's accuracy. What it buys is bytes: about 130 times fewer
-# numbers here. That pays only where moving gradients, not computing them, is what a step waits
-# for, such as machines joined by a slow network. Its docstring says it too: "a tensor is worth
-# compressing only if there can be sufficient saving in bandwidth". Nothing here measured that.
+# Each compressed step is off by about as much as the gradient itself: a rank-1 picture of a 256×784
+# matrix. With error feedback it is off by more, since it adds what earlier steps left out. Error
+# feedback makes the *average* over steps converge to the mean, slowly; without it the average stays
+# wrong. So a PowerSGD step is not an average of the ranks' gradients. It is a different optimizer.
+# Its docstring says to tune its `matrix_approximation_rank` and `start_powerSGD_iter` for the
+# model's accuracy.
+#
+# What it buys is bytes: about 130 times fewer numbers here. That pays only where a step waits for
+# moving gradients, not for computing them, as on machines joined by a slow network. Its docstring
+# says it too: "a tensor is worth compressing only if there can be sufficient saving in bandwidth".
+# Nothing here measured that.
 
 # %% [markdown]
 # ## Copy this into your code
 #
-# Compute in low precision, reduce in float32: keep the parameters in float32 and run the
-# forward under `torch.autocast` (bf16, or fp16 with a `GradScaler`), so that DDP reduces
-# float32 gradients; unscale before clipping. The script `snippets/09_mixed_precision_ddp.py`,
-# run by the course's tests with `torchrun --standalone --nproc-per-node 2`, trains a step in
-# each format and checks, on every rank, that DDP reduced float32 and that clipping saw the true
-# mean gradient:
+# Compute in low precision, reduce in float32. Keep the parameters in float32 and run the forward
+# under `torch.autocast`: bf16, or fp16 with a `GradScaler`. DDP then reduces float32 gradients.
+# Unscale before clipping. The script `snippets/09_mixed_precision_ddp.py` trains a step in each
+# format. The course's tests run it with `torchrun --standalone --nproc-per-node 2`. It checks on
+# every rank that DDP reduced float32 and that clipping saw the true mean gradient:
 #
 # <!-- snippets/09_mixed_precision_ddp.py -->
 # ```python
@@ -891,25 +922,25 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 #     main()
 # ```
 #
-# With FSDP2 the same choice is `MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-# reduce_dtype=torch.float32)`: leaving `reduce_dtype` out reduces in bf16. A DDP model
-# converted to bf16 (`model.to(torch.bfloat16)`) reduces in bf16: average it by hand, as in
-# the exercise.
+# With FSDP2 the same choice is
+# `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`. Leaving
+# `reduce_dtype` out reduces in bf16. A DDP model converted to bf16 (`model.to(torch.bfloat16)`)
+# reduces in bf16: average it by hand, as in the exercise.
 #
 # ## Exercise
 #
-# Write `average_gradients_in_fp32(model)` for a model trained entirely in bf16 (its weights
-# and its gradients are bf16): every rank must end with the mean of the ranks' gradients in
-# `p.grad`, still bf16, with the **sum in float32**. Copy the gradients into one float32 buffer
-# (`torch.cat([p.grad.float().flatten() ...])`), all-reduce it, divide, and copy the pieces back
-# into each `p.grad` (`copy_` rounds to bf16, once): the float32 sum that
+# Write `average_gradients_in_fp32(model)` for a model trained entirely in bf16: its weights and its
+# gradients are bf16. Every rank must end with the mean of the ranks' gradients in `p.grad`, still
+# bf16, with the **sum in float32**. Copy the gradients into one float32 buffer
+# (`torch.cat([p.grad.float().flatten() ...])`), all-reduce it, and divide. Then copy the pieces
+# back into each `p.grad`; `copy_` rounds to bf16, once. That is the float32 sum that
 # `reduce_dtype=torch.float32` and Megatron's `grad_reduce_in_fp32` keep.
 #
 # The check below runs it on 2 and 3 ranks, each with the course's CNN in bf16 and its own
-# gradients, reads the format of what your `all_reduce` carried and what it delivered, and
-# compares every rank's gradients with the exact mean rounded once to bf16. It prints
-# "✓ correct", or fails with what is wrong; until you write the function, it says "not
-# attempted yet". Stuck? `%load solutions/09_average_gradients_in_fp32.py` in a new cell.
+# gradients. It reads the format of what your `all_reduce` carried and what it delivered. It
+# compares every rank's gradients with the exact mean rounded once to bf16. It prints "✓ correct",
+# or fails with what is wrong. Until you write the function, it says "not attempted yet". Stuck?
+# `%load solutions/09_average_gradients_in_fp32.py` in a new cell.
 
 # %%
 def average_gradients_in_fp32(model):
