@@ -11,13 +11,13 @@
 # potential divergence of optimizer states especially if momentum is involved"
 # ([pytorch#59699](https://github.com/pytorch/pytorch/issues/59699)).
 #
-# **Short answer: averaging the parameters after every step equals averaging the gradients
-# for SGD, with or without momentum, to float64 rounding; not for Adam.** Each rank's Adam
-# divides its own gradient by its own scale, and that is not linear. Every K steps, the ranks
-# drift apart between averages. DiLoCo with an outer SGD of learning rate 1 is local SGD exactly.
-# Its pseudo-gradient is "weights before − average after"; the other sign trains backwards.
-# When a replica is out, divide by the replicas that took part, never by the world size: with
-# 1 of 3 replicas out, the world size gives 0.667 × the step.
+# **Short answer:** average the parameters after every step, and only with SGD, if you need gradient
+# averaging's result. With or without momentum, SGD then matches it to float64 rounding; Adam does
+# not. Each rank's Adam divides its own gradient by its own scale, and that is not linear. Averaged
+# every K steps, the ranks drift apart between averages. DiLoCo with an outer SGD of learning rate 1
+# is local SGD exactly. Its pseudo-gradient is "weights before − average after"; the other sign
+# trains backwards. When a replica is out, divide by the replicas that took part, never by the world
+# size. With 1 of 3 replicas out, the world size gives 0.667 × the step.
 
 # %%
 import os
