@@ -1,22 +1,22 @@
 # %% [markdown]
 # # 11 — Pipelines: who divides by the micro-batches
 #
-# **Question: a pipeline schedule runs the backward for me, one micro-batch at a time. What does
-# it divide the gradients by, and what must my loss divide by so that the result is the mean
-# over the whole batch?**
+# **Question: a pipeline schedule runs the backward for me, one micro-batch at a time. What does it
+# divide the gradients by, and what must my loss divide by so that the result is the mean over the
+# whole batch?**
 #
-# **Pipeline parallelism** (PP) cuts the model into **stages**, one per rank. The batch is cut
-# into **micro-batches** that flow through the stages one after another. Each stage adds each
-# micro-batch's gradient into `.grad`: that is notebook 04's gradient accumulation. The
+# **Pipeline parallelism** (PP) cuts the model into **stages**, one per rank. The batch is cut into
+# **micro-batches** that flow through the stages one after another. Each stage adds each
+# micro-batch's gradient into `.grad`: that is gradient accumulation, as in notebook 03. The
 # difference is who divides.
 #
-# **Short answer: the schedule divides every `.grad` by `n_microbatches`, once, at the end of
-# each `step()`.** That is right for a mean `loss_fn`, and only for that. Dividing your loss by
-# a global count as well divides twice (×1/4 with 4 micro-batches). Turning it off with a mean
-# loss divides never (×4). Two `step()` calls without zeroing give `g1/4 + g2`. For token
-# counts or accumulation across steps: `scale_grads=False`, and a `loss_fn` that is the sum
-# divided by the global count. Each sentence is measured below, in float64, against one
-# process on the whole batch.
+# **Short answer:** give the schedule a mean `loss_fn`. The schedule divides every `.grad` by
+# `n_microbatches`, once, at the end of each `step()`; that is right for a mean loss, and only for
+# that. Dividing your loss by a global
+# count as well divides twice (×1/4 with 4 micro-batches). Turning it off with a mean loss divides
+# never (×4). Two `step()` calls without zeroing give `g1/4 + g2`. For token counts or accumulation
+# across steps: `scale_grads=False`, and a `loss_fn` that is the sum divided by the global count.
+# Each sentence is measured below, in float64, against one process on the whole batch.
 
 # %%
 import os
@@ -47,23 +47,23 @@ if SMOKE_TEST:
     SCHEDULES = {"GPipe": ScheduleGPipe}
 
 # %% [markdown]
-# ## Accumulation, from notebook 04: where the division goes
+# ## Accumulation, from notebook 03: where the division goes
 #
-# Notebook 04 accumulated K micro-batches on each rank and ran all but the last inside
+# Notebook 03 accumulated K micro-batches on each rank and ran all but the last inside
 # `model.no_sync()`. It divided each micro-batch's **loss** by K before `backward()`:
 
 # %%
-accumulate_04 = gst.notebooks.function_source("04_pitfalls", "train_accumulate")
-division_04 = "(F.nll_loss(model(x), y) / MICRO_BATCHES).backward()"
-assert division_04 in accumulate_04 and "with model.no_sync():" in accumulate_04
-print("notebook 04:", [ln.strip() for ln in accumulate_04.splitlines() if division_04 in ln][0])
+accumulate_03 = gst.notebooks.function_source("03_distributed_data_parallel", "train_accumulate")
+division_03 = "(F.nll_loss(model(x), y) / MICRO_BATCHES).backward()"
+assert division_03 in accumulate_03 and "with model.no_sync():" in accumulate_03
+print("notebook 03:", [ln.strip() for ln in accumulate_03.splitlines() if division_03 in ln][0])
 
 
 # %% [markdown]
 # A pipeline schedule divides in another place: it backpropagates each micro-batch's loss as
-# `loss_fn` returns it, then divides the **gradients** by the number of micro-batches. Both give
-# the whole batch's mean, for a mean loss over equal micro-batches. With a loss already divided
-# by the batch's count, the second division is one too many. In one process, on a small model:
+# `loss_fn` returns it, then divides the **gradients** by the number of micro-batches. Both give the
+# whole batch's mean, for a mean loss over equal micro-batches. With a loss already divided by the
+# batch's count, the second division is one too many. In one process, on a small model:
 
 # %%
 def model_and_data(stages, batch=BATCH, seed=SEED):
@@ -86,7 +86,7 @@ model, x, y = model_and_data(WORLD_SIZE)
 F.mse_loss(model(x), y).backward()
 whole = gradient(model)  # one process, the whole batch
 pieces = list(zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES), strict=True))
-for xs, ys in pieces:  # notebook 04: the loss divided before backward
+for xs, ys in pieces:  # notebook 03: the loss divided before backward
     (F.mse_loss(model(xs), ys) / N_MICROBATCHES).backward()
 loss_divided = gradient(model)
 for xs, ys in pieces:  # the schedule: backward as it is, then .grad / n
@@ -105,13 +105,14 @@ assert torch.allclose(twice, whole / N_MICROBATCHES, atol=1e-15)
 #
 # `torch.distributed.pipelining` runs this on ranks. Stage r is block r of the model, on rank r,
 # wrapped in a `PipelineStage`. A **schedule** orders the forward and backward passes of the
-# micro-batches. **GPipe** runs every forward, then every backward. **1F1B** alternates one
-# forward and one backward once the pipeline is full, so fewer activations wait in memory.
+# micro-batches. **GPipe** runs every forward, then every backward. **1F1B** alternates one forward
+# and one backward once the pipeline is full, so fewer activations wait in memory.
 #
-# The schedule's `step()` splits the batch into `n_microbatches` along dimension 0. The first
-# stage is given the inputs, the last stage the targets and the `loss_fn`; a middle stage gets
-# only what its neighbours send. Each case below builds a fresh stage and schedule, runs one
-# step, and returns this stage's gradient with one process's on the same whole batch.
+# The schedule's `step()` splits the batch into `n_microbatches` along dimension 0. The first stage
+# is given the inputs, the last stage the targets and the `loss_fn`; a middle stage gets only what
+# its neighbours send. Each case below builds a fresh stage and schedule and runs one step. It
+# returns this stage's
+# gradient with one process's.
 
 # %%
 def run_step(schedule, stage, x, y, losses=None):
@@ -158,8 +159,8 @@ def pipeline_gradients(rank, world_size, cases):
 #
 # Each single-stage schedule ends its `_step_microbatches` with one call. Its argument is
 # `n_microbatches`, or 1 with `scale_grads=False`. The stage's `scale_grads` then divides every
-# parameter's `.grad` in place, whatever it held before the step. The loss is not divided. From
-# the installed torch (`torch/distributed/pipelining/schedules.py` and `stage.py`):
+# parameter's `.grad` in place, whatever it held before the step. The loss is not divided. From the
+# installed torch (`torch/distributed/pipelining/schedules.py` and `stage.py`):
 
 # %%
 def lines_with(function, *words):
@@ -188,9 +189,9 @@ assert "average losses (scale_grads=True) or sum losses (scale_grads=False)" in 
 # %% [markdown]
 # ## Four losses, measured
 #
-# The factor below is this stage's gradient over one process's, on every rank. A mean loss with
-# the default is exact; so is the sum over the whole batch's count with `scale_grads=False`.
-# The other two pairings are off by exactly `n_microbatches`, one way or the other.
+# The factor below is this stage's gradient over one process's, on every rank. A mean loss with the
+# default is exact; so is the sum over the whole batch's count with `scale_grads=False`. The other
+# two pairings are off by exactly `n_microbatches`, one way or the other.
 
 # %%
 count = BATCH * 2  # elements of the whole batch's targets (2 outputs a row)
@@ -226,16 +227,16 @@ assert abs(sum(last["losses"]) / N_MICROBATCHES - last["whole loss"]) < 1e-15
 
 # %% [markdown]
 # The losses the schedule hands back are each micro-batch's own `loss_fn`, undivided. For a mean
-# loss their mean is the batch's loss (last line). For equal micro-batches and a mean loss, keep
-# the default. Everything else below needs `scale_grads=False`.
+# loss their mean is the batch's loss (last line). For equal micro-batches and a mean loss, keep the
+# default. Everything else below needs `scale_grads=False`.
 #
 # ## Accumulating over two `step()` calls
 #
-# A batch too large for one step is run as two steps before one optimizer step. With the
-# default, the second step's division also divides what the first step left. This is
-# torchtitan#1733: "The result is that the accumulated gradient is an exponential moving
-# average, rather than a sum." Its fix (torchtitan#1732, merged): "Set "scale_grads=False" when
-# creating the scheduler instance", and scale the loss instead.
+# A batch too large for one step is run as two steps before one optimizer step. With the default,
+# the second step's division also divides what the first step left. This is torchtitan#1733: "The
+# result is that the accumulated gradient is an exponential moving average, rather than a sum." Its
+# fix (torchtitan#1732, merged): "Set "scale_grads=False" when creating the scheduler instance", and
+# scale the loss instead.
 
 # %%
 def accumulated(rank, world_size, scale_grads):
@@ -277,21 +278,20 @@ print(f"default: stage 0's gradient is {ratio:.3f} × the whole batch's, = g1/{n
 assert max((r["got"] - r["whole"]).abs().max().item() for r in default) > 0.01
 
 # %% [markdown]
-# The default's result is `g1/4 + g2`, where the mean of the two halves is `(g1 + g2)/2`. The
-# fix divides once, in the loss: each micro-batch's sum over the element count of **both**
-# steps, with `scale_grads=False`. It is exact. A mean loss divided by `n_microbatches` × the
-# number of steps works too, for equal micro-batches.
+# The default's result is `g1/4 + g2`, where the mean of the two halves is `(g1 + g2)/2`. The fix
+# divides once, in the loss: each micro-batch's sum over the element count of **both** steps, with
+# `scale_grads=False`. It is exact. For equal micro-batches, a mean loss divided by `n_microbatches`
+# × the number of steps works too.
 
 # %% [markdown]
 # ## Token counts: where the global count enters
 #
-# A language model's loss is the mean over **valid tokens**: padding is marked -100 and left
-# out ([notebook 07](07_which_mean.ipynb)). Micro-batches then hold different numbers of
-# tokens, so the mean per micro-batch is not the mean. The count must enter the `loss_fn`,
-# before the schedule's backward. torchtitan#2972 (open) is the case where it came after: "In
-# PP, the schedule backwards the raw sum loss and the `/ global_valid_tokens` division happens
-# after backward (for metrics only). This means PP gradients are `global_valid_tokens` times
-# larger than non-PP gradients."
+# A language model's loss is the mean over **valid tokens**: padding is marked -100 and left out
+# ([notebook 07](07_which_mean.ipynb)). Micro-batches then hold different numbers of tokens, so the
+# mean per micro-batch is not the mean. The count must enter the `loss_fn`, before the schedule's
+# backward. torchtitan#2972 (open) is the case where it came after: "In PP, the schedule backwards
+# the raw sum loss and the `/ global_valid_tokens` division happens after backward (for metrics
+# only). This means PP gradients are `global_valid_tokens` times larger than non-PP gradients."
 #
 # Three `loss_fn`s on the same padded batch, each on a fresh stage:
 
@@ -360,18 +360,18 @@ assert factor_and_gap([r["sum, divided after the step (torchtitan#2972)"] for r 
 assert factor_and_gap([r["sum / global count, scale_grads=False"] for r in results])[1] < 1e-15
 
 # %% [markdown]
-# The mean per micro-batch is off, but not by one factor (a different one on each stage):
-# notebook 07's mean of means. Dividing after the step is `T` times too large. The count must be known **before**
-# `step()`, as a number the `loss_fn` closes over. With data parallelism too, it is the count
-# over every data-parallel rank, exchanged with one `all_reduce` (the 4-rank section below).
+# The mean per micro-batch is off, but not by one factor (a different one on each stage): notebook
+# 07's mean of means. Dividing after the step is `T` times too large. The count must be known
+# **before** `step()`, as a number the `loss_fn` closes over. With data parallelism it counts every
+# data-parallel rank, with one `all_reduce` (below).
 
 # %% [markdown]
 # ## Micro-batches of unequal size
 #
-# `step()` splits with `tensor_split`, so a batch of 10 in 4 micro-batches gives pieces of 3, 3,
-# 2 and 2. Nothing refuses it. The stages size their receive buffers from the first
-# micro-batch, so the third one arrives into a buffer of 3 rows. The launch below runs it on
-# gloo, in a launch of its own, since a failed collective leaves its process group unusable.
+# `step()` splits with `tensor_split`, so a batch of 10 in 4 micro-batches gives pieces of 3, 3, 2
+# and 2. Nothing refuses it. The stages size their receive buffers from the first micro-batch, so
+# the third one arrives into a buffer of 3 rows. The launch below runs it on gloo, in a launch of
+# its own, since a failed collective leaves its process group unusable.
 
 # %%
 print("tensor_split of 10 rows into 4:", [len(t) for t in torch.arange(10).tensor_split(4)])
@@ -398,11 +398,10 @@ else:
     raise AssertionError("a batch of 10 in 4 micro-batches should have failed")
 
 # %% [markdown]
-# The last stage received a third micro-batch of 3 rows for 2 targets, so the loss failed
-# (after torch's `UserWarning`, `Using a target size`, about broadcasting,
-# above). Had the sizes happened to match, the result would still be wrong: a mean per
-# micro-batch weighs each row of a smaller piece more. **Check before the step** that the batch
-# splits into equal micro-batches, with a message that says what to do:
+# The last stage received a third micro-batch of 3 rows for 2 targets, so the loss failed (after
+# torch's `UserWarning`, `Using a target size`, about broadcasting, above). Had the sizes happened
+# to match, the result would still be wrong: a mean per micro-batch weighs each row of a smaller
+# piece more. **Check before the step** that the batch splits into equal micro-batches:
 
 # %%
 def equal_micro_batches(batch, n_microbatches):
@@ -427,11 +426,11 @@ assert equal_micro_batches(torch.zeros(BATCH, 4), N_MICROBATCHES).shape == (BATC
 # %% [markdown]
 # ## Pipeline × data parallel, on 4 ranks
 #
-# A **2-D device mesh** of 2 × 2 ranks: pipeline stages along `"pp"`, data-parallel replicas
-# along `"dp"`. Each stage is sharded with `fully_shard` on its `"dp"` sub-mesh (notebook 08),
-# and each replica takes half of the batch. The schedule sends between the stages of one
-# replica, over the `"pp"` group. FSDP2 divides by the dp size, the schedule by
-# `n_microbatches`. These cells set their world size to 4 themselves.
+# A **2-D device mesh** of 2 × 2 ranks: pipeline stages along `"pp"`, data-parallel replicas along
+# `"dp"`. Each stage is sharded with `fully_shard` on its `"dp"` sub-mesh (notebook 08), and each
+# replica takes half of the batch. The schedule sends between the stages of one replica, over the
+# `"pp"` group. FSDP2 divides by the dp size, the schedule by `n_microbatches`. These cells set
+# their world size to 4 themselves.
 #
 # The token count's fix becomes: each stage's `loss_fn` divides by the valid tokens of **all**
 # replicas (one `all_reduce` over the `"dp"` group), × the dp size, since FSDP2 divides by it.
@@ -486,17 +485,17 @@ for name in pp_dp[0]:
     assert gap < 1e-15, name
 
 # %% [markdown]
-# Exact on all 4 ranks, for both schedules. The schedule's `perform_reduce_grad` also runs
-# FSDP2's post-backward, which reduce-scatters over `"dp"` and divides by its size. Then it
-# divides by `n_microbatches`: its code says "PP scales only for its own contribution
+# Exact on all 4 ranks, for both schedules. The schedule's `perform_reduce_grad` also runs FSDP2's
+# post-backward, which reduce-scatters over `"dp"` and divides by its size. Then it divides by
+# `n_microbatches`. Its code says: "PP scales only for its own contribution
 # (microbatches), but relies on DP to scale further for DP degree."
 #
 # ## Copy this into your code
 #
 # `snippets/11_pipeline_token_mean.py` is a whole script, run by the course's tests with
-# `torchrun --standalone --nproc-per-node 2`. It uses notebook 06's `init_distributed()`, one
-# stage per rank, and a token-count loss with `scale_grads=False`. It accumulates two schedule
-# steps and checks that the gradient equals one process's on both batches.
+# `torchrun --standalone --nproc-per-node 2`. It uses notebook 06's `init_distributed()`, one stage
+# per rank, and a token-count loss with `scale_grads=False`. It accumulates two schedule steps and
+# checks that the gradient equals one process's on both batches.
 #
 # <!-- snippets/11_pipeline_token_mean.py -->
 # ```python
@@ -607,13 +606,13 @@ for name in pp_dp[0]:
 # ## Exercise
 #
 # Write `pipeline_gradient(stage, batches, n_microbatches)`. Build a schedule on `stage` (a
-# `PipelineStage`, stage r on rank r). Run one `step()` per `(inputs, targets)` in `batches`,
-# each split into `n_microbatches`. Leave in `.grad` the gradient of `F.mse_loss` over **all**
-# the batches together, without zeroing between the steps.
+# `PipelineStage`, stage r on rank r). Run one `step()` per `(inputs, targets)` in `batches`, each
+# split into `n_microbatches`. Leave in `.grad` the gradient of `F.mse_loss` over **all** the
+# batches together, without zeroing between the steps.
 #
-# The check runs it on 2 ranks (4 micro-batches × 2 steps), then 3 (3 × 3), on fresh random
-# data. It rejects a double division, a missing one, and the default scaling across steps, and
-# says which. Stuck? `%load solutions/11_pipeline_gradient.py` in a new cell.
+# The check runs it on 2 ranks (4 micro-batches × 2 steps), then 3 (3 × 3), on fresh random data. It
+# rejects a double division, a missing one, and the default scaling across steps, and says which.
+# Stuck? `%load solutions/11_pipeline_gradient.py` in a new cell.
 
 # %%
 def pipeline_gradient(stage, batches, n_microbatches):
@@ -635,5 +634,5 @@ gst.exercises.check_pipeline_gradient(pipeline_gradient)
 # | sum / the count of all steps (and all dp replicas, × dp size) | `False` | exact |
 # | anything, over several `step()` calls | `True` | `g1/n + g2`: earlier steps divided again |
 #
-# Feed equal micro-batches, and check it before the step. With data parallelism, FSDP2 divides
-# by the dp size and the schedule by `n_microbatches`: count tokens over every replica.
+# Feed equal micro-batches, and check it before the step. With data parallelism, FSDP2 divides by
+# the dp size and the schedule by `n_microbatches`: count tokens over every replica.
