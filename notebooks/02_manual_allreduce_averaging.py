@@ -79,7 +79,7 @@ def average_gradients(model):
     world_size = dist.get_world_size()
     for param in model.parameters():
         if param.grad is None:  # took no part in the loss; safe only if every rank skips
-            continue            # the same ones (notebook 04's unused-parameter pitfall)
+            continue            # the same ones (notebook 03's unused-parameter pitfall)
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)  # every rank receives the sum
         param.grad /= world_size  # sum / N = mean over ranks
 
