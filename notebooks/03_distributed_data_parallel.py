@@ -333,11 +333,13 @@ assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 
 
 # %% [markdown]
-# ## Unused parameter: a parameter without a gradient
+# ## Three pitfalls whose fix is a DDP option
 #
-# Three pitfalls of notebook 04's gallery are fixed by an option of DDP, so they are measured here:
-# an unused parameter, BatchNorm buffers and gradient accumulation. Each one compares notebook 02's
+# Notebook 04's gallery has three pitfalls whose fix is an option of DDP. They are measured here: an
+# unused parameter, BatchNorm buffers and gradient accumulation. Each one compares notebook 02's
 # manual averaging with DDP.
+#
+# ### Unused parameter: a parameter without a gradient
 #
 # **Bug**: a module takes no part in the loss. It may be a head used only in another task, or a
 # layer left over from an experiment. Its `.grad` stays `None` after `backward()`.
@@ -480,7 +482,7 @@ print("max difference between ranks:", zeros[0]["rank_diff"], "(zeros),",
 assert all(r["rank_diff"] == 0.0 for r in zeros + ddp_rank_0)
 
 # %% [markdown]
-# ## BatchNorm buffers: the statistics drift apart
+# ### BatchNorm buffers: the statistics drift apart
 #
 # **Bug**: averaging gradients keeps the *parameters* equal, but not `BatchNorm`'s running mean and
 # variance. Those are *buffers*, updated in the forward pass from each rank's own batch. Nothing
@@ -619,7 +621,7 @@ print(f"max |DDP on every rank - model.module on rank 0| = {difference}")
 assert difference == 0.0
 
 # %% [markdown]
-# ## Accumulation: all-reducing every micro-batch
+# ### Accumulation: all-reducing every micro-batch
 #
 # A global batch may be larger than fits in memory. Each rank then runs several micro-batches and
 # steps once. **Bug**: averaging after every micro-batch's `backward()`. DDP does this by default.
