@@ -9,8 +9,8 @@ built without the others' numbers, data exchanged through files next to a dummy 
 answer that also changes what it must leave alone. Each must be rejected with the message that
 names the mistake.
 
-The checks launch real ranks (gloo) at 2 and then 3 ranks, and reuse the idle workers of the
-size launched last.
+The checks launch real ranks (gloo) at 2 and then 3 ranks; the launcher keeps the idle workers
+of the last two sizes, so a check after the first starts no process.
 """
 
 from __future__ import annotations
