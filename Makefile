@@ -20,7 +20,9 @@
 #   the README's time table and the doctor's reference times from that run
 #   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).
 # make images - the README's figures: every tools/draw_*.py draws one, the loss curves copied from
-#   the notebooks' outputs (cells tagged image:NAME.png). Running a notebook writes no file.
+#   the notebooks' outputs (cells tagged image:NAME.png), and every tools/screenshot_*.py takes
+#   its screenshots in Chromium (the site, built first, and JupyterLab). Running a notebook writes
+#   no file.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -83,9 +85,10 @@ gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
 times: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) tools/time_table.py $(TIMES_FLAGS)
 
-images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
+images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) site
 	for draw in tools/draw_*.py; do $(PY) $$draw || exit 1; done
 	$(PY) tools/build_notebooks.py --images
+	for shot in tools/screenshot_*.py; do $(PY) $$shot || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

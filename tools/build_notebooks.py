@@ -27,8 +27,9 @@ Snippets: a markdown block that follows ``<!-- snippets/NN_x.py -->`` is filled 
 notebook: what a reader copies is code that ran.
 
 Other world sizes: ``--world-size N`` executes each notebook with ``WORLD_SIZE = N`` in its first
-cell instead of 2, in the full mode, and writes nothing: the README's promise that every notebook
-runs unchanged with 4 ranks, checked (exit status 1 and each failure's message when one fails).
+cell instead of its own (2, or 3 in notebook 13), in the full mode, and writes nothing: the
+README's promise that every notebook runs unchanged with 4 ranks, checked (exit status 1 and
+each failure's message when one fails).
 
 Figures: running a notebook writes no file. A plot the README shows comes from a cell tagged
 ``image:NAME.png``; ``--images`` copies that cell's committed output to ``images/NAME.png``.
@@ -314,7 +315,21 @@ def select(names: list[str], root: Path = REPO) -> list[Path]:
     return chosen
 
 
-WORLD_SIZE_LINE = re.compile(r"^WORLD_SIZE = 2\b", re.M)
+WORLD_SIZE_LINE = re.compile(r"^WORLD_SIZE = \d+\b", re.M)  # the notebook's own, 2 or 3
+
+
+def with_world_size(code: str, world_size: int) -> str | None:
+    """``code`` (a notebook's first code cell) with its ``WORLD_SIZE = ...`` line set to
+    ``world_size``, whatever it was; None when it has no such line.
+
+    >>> with_world_size("WORLD_SIZE = 3  # the replicas\\nSMOKE = 1", 4)
+    'WORLD_SIZE = 4  # the replicas\\nSMOKE = 1'
+    >>> with_world_size("x = 1", 4) is None
+    True
+    """
+    if not WORLD_SIZE_LINE.search(code):
+        return None
+    return WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", code, count=1)
 
 
 def run_at_world_size(source: Path, world_size: int) -> str | None:
@@ -322,9 +337,10 @@ def run_at_world_size(source: Path, world_size: int) -> str | None:
     writing nothing. Returns None when every cell passed, else what failed and where."""
     nb = read_source(source)
     first = next(cell for cell in nb.cells if cell.cell_type == "code")
-    if not WORLD_SIZE_LINE.search(first.source):
-        return f"{source.name}: its first code cell has no line 'WORLD_SIZE = 2' to change"
-    first.source = WORLD_SIZE_LINE.sub(f"WORLD_SIZE = {world_size}", first.source, count=1)
+    changed = with_world_size(first.source, world_size)
+    if changed is None:
+        return f"{source.name}: its first code cell has no line 'WORLD_SIZE = N' to change"
+    first.source = changed
     try:
         execute(nb, notebook_of(source))
     except SystemExit as failure:

@@ -35,10 +35,12 @@ collide and nothing can take the port between choosing and binding it.
 
 Starting Python and importing torch costs ~2 s a rank, so after a successful launch the workers
 stay alive, idle, for the next launch in the same kernel (``reuse_workers=True``): a repeat
-launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. Idle
-workers exit with the kernel (they watch their socket to it) or on :func:`shutdown_workers`.
-After any failure -- an exception, a dead rank, a timeout, an interrupt -- every worker is
-stopped (SIGTERM, then SIGKILL after a grace period) before the error is raised, together with
+launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. The
+workers of the last ``IDLE_POOLS`` (2) sizes launched are kept, so that an exercise check, which
+runs at 2 and then 3 ranks, starts no process the second time. Idle workers exit with the
+kernel (they watch their socket to it) or on :func:`shutdown_workers`. After any failure -- an
+exception, a dead rank, a timeout, an interrupt -- every worker is stopped, idle ones included
+(SIGTERM, then SIGKILL after a grace period) before the error is raised, together with
 every process it started, even one in a session of its own; an interrupt while the workers
 start, or while a failure is reported, stops them too. The rendezvous store listens on
 127.0.0.1 only, and a ``master_port`` is usable again as soon as the launch that used it ended.
@@ -186,9 +188,11 @@ def launch(
         workers = _take_workers(world_size, reuse_workers)
     except BaseException:  # they could not all start (and were stopped): release the port
         del store
+        shutdown_workers()  # a failure leaves no worker behind, the idle ones included
         raise
     state = workers.new_job(show_ranks)
     startup = max(timeout, STARTUP_SECONDS)
+    ended_well = False
     try:
         workers.wait_until_started(state, time.monotonic() + startup)
         deadline = time.monotonic() + timeout  # the job's own time starts now
@@ -209,6 +213,7 @@ def launch(
         if state.failures:  # in the job or its teardown. Stop every rank while the store is
             # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
             error = workers.stop_after_failure(state)
+        ended_well = not state.failures
     except (pool.Deadline, pool.WaitsForAReturnedRank) as e:
         early = (time.monotonic() - deadline + timeout  # seconds since the job started
                  if isinstance(e, pool.WaitsForAReturnedRank) else None)
@@ -221,6 +226,8 @@ def launch(
         raise
     finally:
         del store  # closes the port
+        if not ended_well:  # a failure leaves no worker behind, the idle ones included
+            shutdown_workers()
 
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
@@ -248,8 +255,9 @@ def _say_retired(imported: set[str], reuse: bool) -> None:
 
 # -- the idle pool, kept between launches ------------------------------------------------------
 
+IDLE_POOLS = 2  # sizes whose idle workers are kept: an exercise check's 2 and 3 ranks
 _pool_lock = threading.Lock()
-_idle: pool.Workers | None = None
+_idle: dict[tuple, pool.Workers] = {}  # by pool key, the least recently launched first
 
 
 def _pool_key(world_size: int) -> tuple:
@@ -257,26 +265,31 @@ def _pool_key(world_size: int) -> tuple:
 
 
 def _take_workers(world_size: int, reuse: bool) -> pool.Workers:
-    """Return the idle pool if it fits, else freshly started processes."""
-    global _idle
+    """Return the idle pool of this size if there is one, else freshly started processes
+    (``reuse=False``: every idle pool is stopped first)."""
+    key = _pool_key(world_size)
+    if not reuse:
+        shutdown_workers()
     with _pool_lock:
-        idle, _idle = _idle, None
+        idle = _idle.pop(key, None)
     if idle is not None:
-        if reuse and idle.key == _pool_key(world_size) and idle.alive():
+        if idle.alive():
             return idle
         idle.stop_despite_interrupts()
-    return pool.Workers(world_size, _pool_key(world_size))
+    return pool.Workers(world_size, key)
 
 
 def _give_back(workers: pool.Workers, reuse: bool) -> None:
-    """Keep ``workers`` idle for the next launch (``reuse``), else stop them."""
-    global _idle
+    """Keep ``workers`` idle for the next launch (``reuse``), else stop them; beyond
+    ``IDLE_POOLS`` sizes, the least recently launched pool is stopped."""
+    stop = [workers]
     if reuse:
         with _pool_lock:
-            if _idle is None:
-                _idle = workers
-                return
-    workers.stop_despite_interrupts()
+            if workers.key not in _idle:  # (a concurrent launch of this size gave one back)
+                _idle[workers.key] = workers
+                stop = [_idle.pop(next(iter(_idle))) for _ in range(len(_idle) - IDLE_POOLS)]
+    for extra in stop:
+        extra.stop_despite_interrupts()
 
 
 def shutdown_workers() -> None:
@@ -288,11 +301,11 @@ def shutdown_workers() -> None:
         >>> import gradsync_tutorial as gst
         >>> gst.shutdown_workers()
     """
-    global _idle
     with _pool_lock:
-        idle, _idle = _idle, None
-    if idle is not None:
-        idle.stop_despite_interrupts()
+        idle = list(_idle.values())
+        _idle.clear()
+    for workers in idle:
+        workers.stop_despite_interrupts()
 
 
 atexit.register(shutdown_workers)

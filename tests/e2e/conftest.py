@@ -15,7 +15,6 @@ failed, go to ``test-artifacts/e2e/`` (gitignored).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
@@ -28,18 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, tool
 from tests.e2e.lab import Lab
 
 ARTIFACTS = REPO / "test-artifacts" / "e2e"
-CHROMIUM_ARGS = [  # without the networking flags, chromium's connections get refused in bulk
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
-LAB_SETTINGS = {  # no pop-ups over the notebook, no requests to the internet
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
-        {"fetchNews": "false", "checkForUpdates": False},
-}
+# the browser's flags and a clean Jupyter's environment: as make images takes its screenshots
+CHROMIUM_ARGS = tool("screenshot_readme").CHROMIUM_ARGS
+clean_jupyter_env = tool("screenshot_readme").clean_jupyter_env
 
 
 def _chromium() -> str | None:
@@ -88,20 +82,11 @@ def lab(e2e_tools):
     ignore = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
     shutil.copytree(REPO / "notebooks", course / "notebooks", ignore=ignore)
     shutil.copytree(REPO / "images", course / "images", ignore=ignore)  # notebooks link to it
-    for name, settings in LAB_SETTINGS.items():
-        path = tmp / "lab-settings" / name
-        path.parent.mkdir(parents=True)
-        path.write_text(json.dumps(settings))
-    env = dict(
-        os.environ,
+    env = clean_jupyter_env(
+        tmp,
         # the kernel imports the package from the repository under test
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         SMOKE_TEST="1",  # notebook 02's short mode
-        # a clean Jupyter: no user config, kernels, workspaces or settings leak in or out
-        JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
-        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), IPYTHONDIR=str(tmp / "ipython"),
-        JUPYTERLAB_SETTINGS_DIR=str(tmp / "lab-settings"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
     )
     token = secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port=0",

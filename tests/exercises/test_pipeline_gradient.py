@@ -1,8 +1,8 @@
 """Notebook 11's exercise, ``pipeline_gradient(stage, batches, n_microbatches)``: the wrong answers
 its check must reject, each with the message that names the mistake.
 
-The reference solution and the stub are tested by ``tests/test_exercises.py`` (it finds every
-exercise); here: a double division, a missing one, the default scaling across steps
+The reference solution and the stub are tested by ``tests/exercises/test_every_exercise.py``
+(it finds every exercise); here: a double division, a missing one, the default scaling across steps
 (torchtitan#1733), a division per step only, zeroing between the steps, an optimizer step.
 """
 
@@ -17,7 +17,7 @@ from gradsync_tutorial import exercises
 from gradsync_tutorial.exercises import ExerciseFailed
 from gradsync_tutorial.exercises.pipeline_gradient import coefficients
 
-from ..test_exercises import check
+from .conftest import check
 
 
 def _pipeline(loss="sum / all", scale_grads=False, then_divide=1, zero_between=False,

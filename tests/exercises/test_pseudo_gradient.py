@@ -1,6 +1,6 @@
 """Notebook 13's exercise, average_pseudo_gradient: the check rejects the usual wrong answers
 with the message that names the mistake (the reference solution and the stub are tested by
-tests/test_exercises.py, which finds every exercise by itself).
+tests/exercises/test_every_exercise.py, which finds every exercise by itself).
 
 Each wrong answer is what a learner writes: a division by the world size while a replica is
 healing, the pseudo-gradient's other sign (torchft#233), a healing replica that sends its own
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from gradsync_tutorial.exercises import ExerciseFailed
 
-from ..test_exercises import check, solution
+from .conftest import check, solution
 
 
 def _pseudo(mistake=None):

@@ -134,9 +134,27 @@ def test_repeat_launch_reuses_the_same_workers():
     fresh = gst.launch(lambda rank, ws: os.getpid(), 2, reuse_workers=False)
     assert set(fresh).isdisjoint(pids)
     assert worker_pids() == []
-    # A different world size cannot reuse the pool: it is replaced.
+    # A different world size cannot reuse the pool: it starts its own.
     three = gst.launch(lambda rank, ws: os.getpid(), world_size=3)
     assert gst.launch(lambda rank, ws: os.getpid(), world_size=3) == three
+
+
+def _pids(world_size):
+    return gst.launch(lambda rank, ws: os.getpid(), world_size=world_size)
+
+
+def test_the_pools_of_the_last_two_sizes_stay_warm_and_a_failure_stops_both():
+    """An exercise check runs at 2 and then 3 ranks: the next check starts no process. A third
+    size retires the least recently launched pool; a failed launch leaves no worker at all."""
+    two, three = _pids(2), _pids(3)
+    assert _pids(2) == two and _pids(3) == three  # both kept
+    assert sorted(worker_pids()) == sorted(two + three)
+    four = _pids(4)  # 2 was launched least recently: retired
+    assert sorted(worker_pids()) == sorted(three + four)
+    assert _pids(3) == three and set(_pids(2)).isdisjoint(two)
+    with pytest.raises(RankFailedError):
+        gst.launch(lambda rank, ws: 1 / 0, world_size=2)
+    assert worker_pids() == []
 
 
 def _run_script(code: str, **kwargs) -> subprocess.CompletedProcess:

@@ -7,13 +7,14 @@ nbclient's traceback), and leaves the committed ``.ipynb`` as it was.
 from __future__ import annotations
 
 import doctest
+import re
 import shutil
 import textwrap
 
 import nbformat
 import pytest
 
-from ..conftest import NOTEBOOKS, tool
+from ..conftest import NOTEBOOKS, SOURCES, tool
 
 build_notebooks = tool("build_notebooks")
 
@@ -132,3 +133,15 @@ def test_a_world_size_below_one_is_refused_before_anything_runs(value, capsys):
         build_notebooks.main(["--world-size", value, "99"])
     assert info.value.code == 2
     assert "--world-size must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=[s.name[:2] for s in SOURCES])
+def test_world_size_rewrites_each_notebook_s_own_line(source):
+    """``--world-size 4`` sets the first code cell's ``WORLD_SIZE = ...`` line, whatever its
+    value (notebook 13 starts with 3), and nothing else in the cell."""
+    first = next(c for c in build_notebooks.read_source(source).cells if c.cell_type == "code")
+    own = re.search(r"^WORLD_SIZE = (\d+)", first.source, re.M)
+    assert own, f"{source.name}: its first code cell has no WORLD_SIZE line"
+    changed = build_notebooks.with_world_size(first.source, 4)
+    assert changed == first.source.replace(own.group(0), "WORLD_SIZE = 4", 1)
+    assert re.search(r"^WORLD_SIZE = 4\b", changed, re.M)

@@ -1,5 +1,5 @@
 """Notebook 10's exercise, gradient_plan: the wrong answers its check must reject, each with the
-message that names the mistake (the generic tests of tests/test_exercises.py run the reference
+message that names the mistake (tests/exercises/test_every_exercise.py runs the reference
 solution and the stub)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gradsync_tutorial.exercises import ExerciseFailed
 
-from ..test_exercises import check, solution
+from .conftest import check, solution
 
 NAME = "gradient_plan"
 
