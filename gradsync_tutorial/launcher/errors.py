@@ -229,6 +229,10 @@ _HINTS = (
      "\nThe ranks have no standard input (under torchrun too, they share one terminal): "
      "input() in a rank cannot be answered. Ask in the notebook before launching, and pass "
      "the answer to the ranks with args=(value,)."),
+    (r"Too many open files|\bEMFILE\b",
+     "\nThe rank ran out of file descriptors: it may hold open as many as `ulimit -n` allows. "
+     "Close what fn opens (`with open(...)`), or raise the limit before starting Jupyter "
+     "(`ulimit -n 4096`); a resource.setrlimit in fn lowers it for that rank."),
     (r"device_id parameter must be an accelerator",
      "\ntorch refuses device_id=torch.device('cpu') under torchrun too: pass device_id only "
      "with a GPU per rank (device_id=gst.local_device() when it is a CUDA device), or leave "

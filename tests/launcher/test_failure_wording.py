@@ -134,3 +134,17 @@ def test_a_timeout_without_a_report_gives_the_usual_advice_once():
     message = str(timeout_error(2, finished=[1], timeout=5, startup=60, started=True))
     assert "if rank == 0" in message and "larger timeout=" in message
     assert repeats(message) == []
+
+
+def test_descriptor_exhaustion_is_named_once_with_what_to_do():
+    """A rank out of file descriptors (gloo's epoll_create, a socket, an open()): one hint."""
+    from gradsync_tutorial.launcher.errors import Failure, rank_failed_error
+
+    gloo = ("[enforce fail at /gloo/transport/tcp/loop.cc:105] fd_ != -1. -1 vs -1. "
+            "epoll_create: Too many open files")
+    failures = [Failure(0, "raised", "RuntimeError", gloo, "Traceback ..."),
+                Failure(1, "raised", "OSError", "[Errno 24] Too many open files: 'x'", "...")]
+    message = str(rank_failed_error(failures, started=True))
+    assert message.count("ran out of file descriptors") == 1, message
+    assert "ulimit -n" in message and "Close what fn opens" in message
+    assert repeats(message) == []
