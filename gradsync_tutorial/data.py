@@ -97,9 +97,32 @@ DOWNLOAD_TIMEOUT = 20.0
 
 
 def _default_root() -> Path:
-    """``$GRADSYNC_DATA``, else :func:`_fallback_root`."""
+    """``$GRADSYNC_DATA``, else :func:`_fallback_root` (a ``~user`` that this machine does not
+    know is kept as written: the error comes when the folder is used, not at import)."""
+    try:
+        return _env_root() or _fallback_root()
+    except DataError:
+        return Path(os.environ["GRADSYNC_DATA"])
+
+
+def _expanded(path: str | os.PathLike[str], origin: str, fix: str) -> Path:
+    """``path`` with ``~`` expanded; :class:`DataError` naming ``origin`` if it cannot be."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # "Could not determine home directory."
+        user = os.fspath(path).split(os.sep)[0]
+        raise DataError(f"{origin} starts with {user}, the home folder of a user that this "
+                        "machine does not know.", fix) from None
+
+
+def _env_root() -> Path | None:
+    """``$GRADSYNC_DATA`` as a path, None if it is not set."""
     env = os.environ.get("GRADSYNC_DATA")
-    return Path(env).expanduser() if env else _fallback_root()
+    if not env:
+        return None
+    return _expanded(env, f"GRADSYNC_DATA ({env})",
+                     "point GRADSYNC_DATA at a folder by its full path (~/x for your own home "
+                     f"folder), or unset it to use {_fallback_root()}.")
 
 
 def _fallback_root() -> Path:
@@ -124,9 +147,9 @@ def resolve_root(root: str | os.PathLike[str] | None = None) -> Path:
         PosixPath('/tmp/fmnist')
     """
     if root is not None:
-        return Path(root).expanduser().resolve()
-    env = os.environ.get("GRADSYNC_DATA")  # read again: it may have been set after import
-    return (Path(env).expanduser() if env else DEFAULT_ROOT).resolve()
+        return _expanded(root, f"the data folder you passed, {root},",
+                         "pass a folder by its full path.").resolve()
+    return (_env_root() or DEFAULT_ROOT).resolve()  # read again: it may be set after import
 
 
 def _origin(root: str | os.PathLike[str] | None) -> str:
@@ -153,6 +176,8 @@ def _usable_root(root: str | os.PathLike[str] | None) -> Path:
                      f"remove or repair the link, or {fix}.")
     try:
         path = resolve_root(root)
+    except DataError:
+        raise
     except RuntimeError:  # "Symlink loop from ..." (pathlib before Python 3.13)
         raise loop from None
     for folder in (path, *path.parents):  # the nearest one that exists must be a folder

@@ -13,7 +13,9 @@ the notebooks' ``../images/`` figures show), and adds what the machine needs:
   the URL with its token again and how to open it from a laptop: an SSH tunnel, or
   ``--ip 0.0.0.0`` with what that exposes.
 
-The user's ``LAB_ARGS`` come last, so they can override any of these. Ctrl-C stops the server as
+The user's ``LAB_ARGS`` come last, so they can override any of these (the root folder too: then
+it is given once, theirs). A port that cannot be one (``--port 99999``) is refused before the
+server starts. Ctrl-C stops the server as
 ``jupyter lab`` does; SIGTERM (to ``make`` or to this process) stops it too, kernels and all.
 """
 
@@ -30,7 +32,7 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["has_desktop", "lab_command", "main", "reach_from_a_laptop"]
+__all__ = ["bad_port", "has_desktop", "lab_command", "main", "reach_from_a_laptop"]
 
 URL = re.compile(r"(https?://[^\s/]+):(\d+)(/\S*\?token=\S+)")
 ROOT_NOTICE = ("gradsync lab: running as root (a container or a VM?), so jupyter lab gets "
@@ -76,8 +78,13 @@ def lab_command(user_args: list[str], root: Path, as_root: bool, desktop: bool,
     >>> notices == [ROOT_NOTICE]
     True
     """
-    cmd = [python, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
-           "--ContentsManager.preferred_dir=notebooks"]
+    cmd = [python, "-m", "jupyterlab"]
+    # Jupyter refuses an option given twice: one of the user's replaces ours.
+    if not _value(user_args, "--ServerApp.root_dir", "--notebook-dir", "--ServerApp.notebook_dir"):
+        cmd.append(f"--ServerApp.root_dir={root}")
+        if not _value(user_args, "--ContentsManager.preferred_dir",
+                      "--ServerApp.preferred_dir"):
+            cmd.append("--ContentsManager.preferred_dir=notebooks")
     notices = []
     if as_root and "--allow-root" not in user_args:
         cmd.append("--allow-root")
@@ -120,14 +127,33 @@ def reach_from_a_laptop(url: str, user_args: list[str], user: str, host: str) ->
         f"    {security}")
 
 
-def _ip(args: list[str]) -> str | None:
-    ip = None
+def _value(args: list[str], *names: str) -> str | None:
+    """The last value given to any of ``names`` (``--name=v`` or ``--name v``), else None."""
+    value = None
     for i, arg in enumerate(args):
-        if arg.startswith(("--ip=", "--ServerApp.ip=")):
-            ip = arg.split("=", 1)[1]
-        elif arg in ("--ip", "--ServerApp.ip") and i + 1 < len(args):
-            ip = args[i + 1]
-    return ip
+        name, is_set, given = arg.partition("=")
+        if name in names and is_set:
+            value = given
+        elif arg in names and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def _ip(args: list[str]) -> str | None:
+    return _value(args, "--ip", "--ServerApp.ip")
+
+
+def bad_port(args: list[str]) -> str | None:
+    """Why the port in ``args`` cannot be served on, else None (no port, or a good one).
+
+    >>> print(bad_port(["--port", "99999"]))
+    gradsync lab: --port 99999 is not a port: pass a number from 1 to 65535, such as --port 8888 ...
+    """
+    port = _value(args, "--port", "--ServerApp.port")
+    if port is None or (port.isascii() and port.isdigit() and int(port) <= 65535):
+        return None
+    return (f"gradsync lab: --port {port} is not a port: pass a number from 1 to 65535, such as "
+            "--port 8888 (or 0: any free port).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("gradsync lab: JupyterLab is not installed: pip install -e '.[dev]' "
               "(make lab does it)", file=sys.stderr)
+        return 2
+    if bad_port(user_args):  # before the server starts, and says nothing about it
+        print(bad_port(user_args), file=sys.stderr)
         return 2
     as_root = hasattr(os, "geteuid") and os.geteuid() == 0
     desktop = has_desktop()

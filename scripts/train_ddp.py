@@ -33,6 +33,7 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -78,11 +79,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint:
         parser.error("--resume continues from --checkpoint: give --checkpoint PATH too")
+    if args.checkpoint and (problem := unwritable(args.checkpoint)):  # not after an epoch
+        parser.error(f"--checkpoint {args.checkpoint}: {problem}")
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
     if args.batch_size % world_size:
         parser.error(f"--batch-size {args.batch_size} is the global batch, split evenly over "
                      f"{world_size} ranks: give a multiple of {world_size}")
     return args
+
+
+def unwritable(path: str) -> str | None:
+    """Why a checkpoint cannot be saved to ``path`` (its folder is created if missing), else
+    None: checked before training, so that a whole epoch is not lost to it."""
+    if Path(path).is_dir():
+        return f"it is a folder: give a file in it, such as {Path(path) / 'checkpoint.pt'}"
+    folder = Path(path).absolute().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()  # what rank 0's torch.save will need
+    except OSError as e:
+        return (f"a file cannot be written in {folder} ({e.strerror or e}): give a path in a "
+                "folder you may write to")
+    return None
 
 
 def init_distributed() -> torch.device:

@@ -453,3 +453,20 @@ def test_real_fashion_mnist_from_the_debian_package(tmp_path, monkeypatch):
     test_images, test_labels = data.load(train=False, root=tmp_path, download=False)
     assert test_images.shape == (10000, 1, 28, 28) and test_labels.shape == (10000,)
     assert torch.bincount(test_labels).tolist() == [1000] * 10
+
+
+def test_a_home_folder_of_an_unknown_user_is_named_not_a_crash_at_import(tmp_path):
+    """GRADSYNC_DATA='~nosuchuser/x': the import works, and using the folder (the loader, the
+    command, the doctor) says which variable names a user this machine does not know."""
+    env = {**os.environ, "GRADSYNC_DATA": "~nosuchuser-gradsync/x"}
+    code = ("import gradsync_tutorial.data as d\n"
+            "from gradsync_tutorial import doctor\n"
+            "try:\n    d.load(download=False)\nexcept d.DataError as e:\n    print(e.problem)\n"
+            "print(doctor.check_data())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = ("GRADSYNC_DATA (~nosuchuser-gradsync/x) starts with ~nosuchuser-gradsync, the home "
+            "folder of a user that this machine does not know.")
+    assert done.stdout.count(said) == 2, done.stdout
+    assert "report this" not in done.stdout and "by its full path" in done.stdout

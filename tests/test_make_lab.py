@@ -119,3 +119,29 @@ def test_make_lab_serves_the_course_and_stops_by_its_pid(lab_output):
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", int(port))) != 0, "the port still answers"
     print(f"  stopped, nothing left, in {time.monotonic() - started:.1f} s in all")
+
+
+@pytest.mark.parametrize("given", [["--ServerApp.root_dir=/srv/course"],
+                                   ["--ServerApp.root_dir", "/srv/course"],
+                                   ["--notebook-dir=/srv/course"]])
+def test_lab_args_override_the_root_folder_which_is_then_given_once(given):
+    """Jupyter refuses an option given twice, so LAB_ARGS' root folder replaces the course's
+    (and the course's notebooks/ start folder, which may not be under it)."""
+    from gradsync_tutorial.lab import lab_command
+
+    cmd, _ = lab_command(given, Path("/course"), as_root=False, desktop=True, python="python")
+    roots = [a for a in cmd if "root_dir" in a or "notebook-dir" in a or "preferred_dir" in a]
+    assert roots == [a for a in given if a != "/srv/course"], cmd
+    assert cmd[-len(given):] == given
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "http", "８８８８"])
+def test_an_impossible_port_is_refused_before_the_server_starts(port, monkeypatch, capsys):
+    from gradsync_tutorial import lab
+
+    monkeypatch.setattr(lab.subprocess, "Popen", lambda *a, **k: pytest.fail("it started"))
+    assert lab.main(["--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"gradsync lab: --port {port} is not a port: pass a number from 1 to 65535, "
+                   "such as --port 8888 (or 0: any free port).\n")
+    assert lab.bad_port([f"--ServerApp.port={port}"]) and lab.bad_port(["--port=8888"]) is None

@@ -456,3 +456,23 @@ def test_a_bad_checkpoint_is_reported_once_by_rank_0_without_a_traceback(straigh
     # no rank's traceback (torchrun's own summary of the agent stays), none of torch's advice
     assert f"{script}\", line" not in output and "weights_only" not in output, output
     assert not EQUAL.search(run.stdout)
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder", "a read-only folder"])
+def test_a_checkpoint_that_cannot_be_written_is_refused_before_training(train_ddp, tmp_path,
+                                                                        capsys, where):
+    """Not after a whole epoch, with a raw PermissionError: parse_args says so, first."""
+    (tmp_path / "a file").write_text("")
+    path = {"under a file": tmp_path / "a file" / "ckpt.pt", "a folder": tmp_path,
+            "a read-only folder": tmp_path / "locked" / "ckpt.pt"}[where]
+    if where == "a read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root may write into any folder")
+        (tmp_path / "locked").mkdir(mode=0o500)
+    with pytest.raises(SystemExit):
+        train_ddp.parse_args(["--checkpoint", str(path)])
+    err = capsys.readouterr().err
+    assert f"--checkpoint {path}: " in err, err
+    assert ("give a file in it" if where == "a folder" else "give a path in a folder you may "
+            "write to") in err
+    assert train_ddp.parse_args(["--checkpoint", str(tmp_path / "new" / "c.pt")]).checkpoint

@@ -22,8 +22,9 @@ def _batch(k: int) -> int:
     return _BATCH.get(k, 8 * k)
 
 
-def _run(fn: Callable, k: int) -> dict[str, Any]:
-    """Call ``fn`` on a fresh batch split into ``k`` pieces; what it did, and the reference."""
+def _run(fn: Callable, k: int, timeout: float) -> dict[str, Any]:
+    """Call ``fn`` on a fresh batch split into ``k`` pieces, for at most ``timeout`` seconds;
+    what it did, and the reference."""
     with torch.random.fork_rng(devices=[]):  # leave the notebook's random state alone
         model, images, labels = evidence.model_and_data(0, _batch(k), seed=evidence.SEED + k)
         expected, loss = evidence.reference_gradient(model, images, labels)
@@ -35,7 +36,7 @@ def _run(fn: Callable, k: int) -> dict[str, Any]:
         hook = model.register_forward_pre_hook(
             lambda module, args: facts["seen"].append(len(args[0]) if args else 0))
         try:
-            facts["returned"] = common.attempt(fn, model, images, labels, k)
+            facts["returned"] = _attempt(fn, (model, images, labels, k), timeout)
         finally:
             hook.remove()
     facts["changed"] = (evidence.changed_text(facts["params"], evidence.params_of(model),
@@ -45,6 +46,26 @@ def _run(fn: Callable, k: int) -> dict[str, Any]:
                                                               strict=True)) else None))
     facts.update(got=evidence.grads_of(model), training=model.training)
     return facts
+
+
+def _attempt(fn: Callable, args: tuple, timeout: float) -> Any:
+    """``fn(*args)`` in this process, with a time limit; a torch.distributed call in it fails
+    with why there is no process group here, not torch's bare "not initialized"."""
+    __tracebackhide__ = True
+    name, k = common.name_of(fn), args[-1]
+    with common.time_limit(timeout, (
+            f"{name} did not return within {timeout:g} s (with micro_batches={k}): does a loop "
+            "never end? Loop over the pieces, `for x, y in zip(images.chunk(micro_batches), "
+            "labels.chunk(micro_batches))`. If it is only slow, pass a larger timeout=.")):
+        try:
+            return common.attempt(fn, *args)
+        except ValueError as e:
+            if "process group has not been initialized" not in str(e):
+                raise
+    common.fail(f"{name} called torch.distributed, but this check runs it in the notebook's "
+                "own process, on one model, with no ranks and no process group. Accumulating "
+                "gradients needs no collective: backward() on each micro-batch adds into .grad. "
+                "Remove the dist.* call (notebook 02 averages across ranks).")
 
 
 # --- the diagnoses, most telling mistake first ----------------------------------------------
@@ -149,7 +170,8 @@ def _verified(runs: Sequence[Run]) -> str:
 @common.exercise("01_single_device_baseline.ipynb",
                  "accumulate_gradients(model, images, labels, micro_batches)")
 def check_accumulate_gradients(
-    accumulate_gradients: Callable, micro_batches: int | Sequence[int] = MICRO_BATCHES
+    accumulate_gradients: Callable, micro_batches: int | Sequence[int] = MICRO_BATCHES, *,
+    timeout: float = common.CHECK_TIMEOUT,
 ) -> str:
     """Check ``accumulate_gradients(model, images, labels, micro_batches)``.
 
@@ -163,7 +185,8 @@ def check_accumulate_gradients(
     ``micro_batches``× too large (no division) or divided by a fixed number, hold only the last
     micro-batch's (a ``zero_grad`` inside the loop), if the model saw the whole batch at once,
     or another number of micro-batches than asked, and if the parameters, the batch or the
-    model's mode changed.
+    model's mode changed. Stops a run that takes longer than ``timeout`` seconds, and says why
+    a torch.distributed call cannot work here.
 
         >>> import gradsync_tutorial as gst
         >>> def accumulate_gradients(model, images, labels, micro_batches):
@@ -183,7 +206,7 @@ def check_accumulate_gradients(
     name = common.name_of(accumulate_gradients)
     runs: list[Run] = []
     for k in common.sizes(micro_batches, "micro_batches", 2):
-        run = Run(name, k, [_run(accumulate_gradients, k)],
+        run = Run(name, k, [_run(accumulate_gradients, k, timeout)],
                   f"with micro_batches={k} (a batch of {_batch(k)})")
         common.diagnose(run, DIAGNOSES, runs)
         runs.append(run)

@@ -48,9 +48,13 @@ Part of :mod:`gradsync_tutorial.exercises` (introduced in ``notebooks/00_launchi
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +296,53 @@ def attempt(fn: Callable, *args: Any) -> Any:
         return fn(*args)
     except NotImplementedError:
         raise NotAttempted from None
+
+
+class _TimeUp(BaseException):  # not an Exception: a learner's `except Exception` lets it by
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, message: str) -> Iterator[None]:
+    """Fail with ``message`` if the block (the learner's function, in this process) runs longer
+    than ``seconds``: a check never waits forever on a loop that never ends.
+
+    The main thread gets a SIGALRM (it also ends a sleep); another thread, or Windows, gets the
+    error at its next line of Python.
+
+        >>> with time_limit(0.2, "your loop never ends"):
+        ...     while True:
+        ...         pass
+        Traceback (most recent call last):
+        gradsync_tutorial.exercises.ExerciseFailed: your loop never ends
+    """
+    __tracebackhide__ = True
+    def expire(*_):
+        raise _TimeUp
+
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        stop = functools.partial(signal.setitimer, signal.ITIMER_REAL, 0)
+    else:
+        previous, target = None, ctypes.c_ulong(threading.get_ident())
+        raise_in = ctypes.pythonapi.PyThreadState_SetAsyncExc
+        timer = threading.Timer(seconds, raise_in, (target, ctypes.py_object(_TimeUp)))
+        timer.daemon = True
+        timer.start()
+
+        def stop():
+            timer.cancel()
+            timer.join()
+            raise_in(target, None)  # an error set as the block ended: not raised later
+    try:
+        yield
+    except _TimeUp:
+        fail(message)
+    finally:
+        stop()
+        if previous is not None:
+            signal.signal(signal.SIGALRM, previous)
 
 
 def run_on_ranks(worker: Callable, fn: Any, world_size: int, timeout: float) -> list:

@@ -47,6 +47,8 @@ def fresh_seed() -> int:
 
 # A collective's parameters that carry data (the others say how: op, src, group, async_op...).
 _DATA_WORDS = ("tensor", "obj", "list", "input", "output")
+# Those a rank receives into, not sends from (all_gather's tensor_list, a gather's list).
+_RECEIVED = ("output", "tensor_list", "object_list", "gather_list", "object_gather_list")
 
 
 @dataclass
@@ -54,7 +56,9 @@ class Call:
     """One collective call: the numbers its data arguments held before it (what this rank
     sent) and after it (what it delivered: for an ``async_op=True`` call, read when asked,
     after the learner waited), and the format they travelled in (``dtype``: its first
-    tensor's, None when it carried none, as a barrier)."""
+    tensor's, None when it carried none, as a barrier). ``contributed``: the numbers of the
+    arguments it sends from, not those it receives into (an all_gather's ``tensor``, not its
+    ``tensor_list``)."""
 
     name: str
     sent: torch.Tensor
@@ -62,6 +66,7 @@ class Call:
     dtype: torch.dtype | None
     data: list = field(repr=False)
     after: torch.Tensor | None = field(default=None, repr=False)
+    contributed: torch.Tensor = field(default_factory=lambda: numbers([]), repr=False)
 
     @property
     def delivered(self) -> torch.Tensor:
@@ -96,9 +101,12 @@ class Recorder(CollectiveCounter):
                 bound = signature.bind(*args, **kwargs).arguments
             except TypeError:
                 return counted(*args, **kwargs)  # torch says what is wrong with the call
-            data = [v for k, v in bound.items() if any(w in k for w in _DATA_WORDS)
+            keys = [k for k in bound if any(w in k for w in _DATA_WORDS)
                     and not k.endswith("split_sizes")]
-            call = Call(name, numbers(data), bool(bound.get("async_op")), dtype_of(data), data)
+            data = [bound[k] for k in keys]
+            call = Call(name, numbers(data), bool(bound.get("async_op")), dtype_of(data), data,
+                        contributed=numbers([bound[k] for k in keys
+                                             if not k.startswith(_RECEIVED)]))
             result = counted(*args, **kwargs)
             if not call.is_async:
                 call.after = numbers(data)

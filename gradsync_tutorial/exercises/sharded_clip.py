@@ -184,6 +184,11 @@ def _shard_mistake(run: Run, rank: int, got: torch.Tensor, expected: dict) -> st
     """What is wrong with rank's shard, ``got``, which is not the mean's."""
     right, n = expected["shards"][rank], run.size
     c = _ratio(got, right)
+    factor = run.outs[rank]["cases"]["no clipping"]["max_norm"] / (expected["norm"] + EPS)
+    if c is not None and abs(c / factor - 1) < 1e-3:  # max_norm is 10× the norm here
+        return (f"your shard is {evidence.times_text(c)} the mean: max_norm / (norm + 1e-6), "
+                f"{factor:.3g} here, scaled it up. Cap the factor at 1, min(1, max_norm / "
+                "(norm + 1e-6)), as clip_grad_norm_ does: clipping only ever shrinks.")
     if c is not None and abs(c - n) < 1e-3:
         return (f"your shard is {evidence.times_text(c)} the mean: it is the sum that the "
                 "reduce-scatter returns. Divide it by the world size (or pass "
@@ -259,10 +264,17 @@ def _shard_not_carried(run: Run) -> str | None:
 def _norm_not_one_number(run: Run) -> str | None:
     for case in CASES:
         others = _calls(run.out, case, scatter=False)
-        big = [c for c in others if c.sent.numel() > 1]
+        gathers = [c for c in others if "gather" in c.name]
+        if gathers and gathers[0].contributed.numel() == 1:
+            return (f"the values are right, but your {gathers[0].name} of one number per rank "
+                    f"delivered {run.size} squared norms, for each rank to add up: an "
+                    "all_reduce of that one number delivers their sum, the exercise's one "
+                    "collective after the reduce-scatter.")
+        big = [c for c in others if c.contributed.numel() > 1]
         if big:
             return (f"the values are right, but your {big[0].name} carried "
-                    f"{big[0].sent.numel()} numbers: the norm needs one per rank. All-reduce "
+                    f"{big[0].contributed.numel()} numbers: the norm needs one per rank. "
+                    "All-reduce "
                     "the sum of the squares of your shard, a single number.")
         if len(others) != 1:
             return (f"the values are right, with {len(others)} collectives after the "

@@ -20,15 +20,10 @@ from dataclasses import dataclass, field
 
 from .._wording import ranks as _ranks
 from ..device import gpu_count
+from .hang_report import HANG_HINT, SLOW_HINT
 
 __all__ = ["HANG_HINT", "Failure", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
 
-HANG_HINT = (
-    "The usual cause is a collective that not every rank called: a rank skipped it (for "
-    "example inside `if rank == 0:`), or the ranks ran different numbers of steps (uneven "
-    "data without drop_last). Every rank must make the same collective calls in the same "
-    "order. If the work is only slow, pass a larger timeout=."
-)
 
 
 @dataclass
@@ -145,14 +140,14 @@ def timeout_error(world_size: int, finished: Iterable[int], timeout: float, star
                   started: bool, report: str = "", early: float | None = None
                   ) -> LaunchTimeoutError:
     """The error for a launch past its time: the ranks that had not finished, where each rank
-    was (``report``, from :mod:`~gradsync_tutorial.launcher.hang_report`), and the usual cause.
+    was and the advice that fits (``report``, from
+    :mod:`~gradsync_tutorial.launcher.hang_report`), else the usual cause: each idea once.
 
     ``started``: every worker had started (else the start-up took longer than ``startup``).
 
         >>> print(timeout_error(2, finished=[1], timeout=5, startup=60, started=True))
-        launch timed out after 5 s: rank 0 had not finished (rank 1 returned).
-        All ranks were stopped.
-        The usual cause is a collective that not every rank called: ...
+        launch timed out after 5 s: rank 0 had not finished (rank 1 returned). All ranks ...
+        The usual causes are a branch that not every rank takes ...
     """
     finished = sorted(set(finished))
     unfinished = [r for r in range(world_size) if r not in finished]
@@ -164,19 +159,18 @@ def timeout_error(world_size: int, finished: Iterable[int], timeout: float, star
             unfinished,
         )
     done = f" ({_ranks(finished)} returned)" if finished else ""
-    where = f"\nWhere each rank was:\n{_indent(report)}" if report else ""
+    # The report ends with its own advice, fitted to where the ranks were.
+    where = f"\nWhere each rank was:\n{_indent(report)}" if report else f"\n{HANG_HINT} {SLOW_HINT}"
     if early is not None:  # a rank that returned leaves another waiting: it can never finish
         return LaunchTimeoutError(
             f"launch stopped after {early:.1f} s, before its timeout ({timeout:g} s): "
-            f"{_ranks(unfinished)} had not finished{done}, and never will: "
-            f"{'it waits' if len(unfinished) == 1 else 'they wait'} in a collective that "
-            f"{_ranks(finished)} returned without calling. All ranks were stopped."
-            f"{where}\n{HANG_HINT}",
+            f"{_ranks(unfinished)} had not finished{done}, and never will. All ranks were "
+            f"stopped.{where}",
             unfinished, report,
         )
     return LaunchTimeoutError(
         f"launch timed out after {timeout:g} s: {_ranks(unfinished)} had not finished{done}. "
-        f"All ranks were stopped.{where}\n{HANG_HINT}",
+        f"All ranks were stopped.{where}",
         unfinished, report,
     )
 
@@ -235,6 +229,10 @@ _HINTS = (
      "\nThe ranks have no standard input (under torchrun too, they share one terminal): "
      "input() in a rank cannot be answered. Ask in the notebook before launching, and pass "
      "the answer to the ranks with args=(value,)."),
+    (r"Too many open files|\bEMFILE\b",
+     "\nThe rank ran out of file descriptors: it may hold open as many as `ulimit -n` allows. "
+     "Close what fn opens (`with open(...)`), or raise the limit before starting Jupyter "
+     "(`ulimit -n 4096`); a resource.setrlimit in fn lowers it for that rank."),
     (r"device_id parameter must be an accelerator",
      "\ntorch refuses device_id=torch.device('cpu') under torchrun too: pass device_id only "
      "with a GPU per rank (device_id=gst.local_device() when it is a CUDA device), or leave "

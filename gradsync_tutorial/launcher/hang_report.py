@@ -214,7 +214,7 @@ def describe(world_size: int, reports: dict[int, StackReport], finished: dict[in
             lines.append(f"rank {rank} is{busy} at {place}, after "
                          f"{_collectives(report.collectives)}")
             behind[rank] = report.collectives
-    return "\n".join(lines + _diagnosis(waiting, behind, init_waits))
+    return "\n".join(lines + _diagnosis(waiting, behind, init_waits, finished))
 
 
 # Waits that end by themselves: a rendezvous (reported as such). (A monitored barrier's
@@ -240,32 +240,61 @@ def waits_for_a_returned_rank(reports: dict[int, StackReport],
                for report in reports.values())
 
 
+#: The advice for the usual hang: a rank never reached the collective the others wait in.
+HANG_HINT = (
+    "The usual causes are a branch that not every rank takes (for example `if rank == 0:`), "
+    "and ranks that run different numbers of steps (uneven data without drop_last). Every rank "
+    "must make the same collective calls in the same order."
+)
+#: The advice when a rank still running may only be slow.
+SLOW_HINT = "If the work is only slow, pass a larger timeout=."
+_P2P = ("dist.send", "dist.recv", "dist.isend", "dist.irecv", "dist.batch_isend_irecv")
+
+
 def _diagnosis(waiting: dict[int, tuple[str, int | None]], behind: dict[int, int | None],
-               init_waits: Iterable[int]) -> list[str]:
+               init_waits: Iterable[int], returned: Iterable[int]) -> list[str]:
+    """What the ranks' places say went wrong, then the one piece of advice that fits it.
+
+    Each idea is said once: a message built from this adds no advice of its own.
+    """
     out = []
-    init_waits = list(init_waits)
+    init_waits, returned = list(init_waits), set(returned)
     if init_waits:
         out.append(f"{ranks(init_waits)} never finished init_process_group: no process answers "
                    "at that rendezvous address, or not every rank joined it (each rank must "
                    "call init_process_group with the same address and world_size).")
     if not waiting:
+        if not init_waits:  # own code, a library's collective, or native code
+            out.append("No rank was found in a collective call. A rank may wait in one that a "
+                       "library makes for it (DDP's forward broadcasts buffers), or in its own "
+                       "code: a lock, a queue, a loop that never ends.")
+            out += [HANG_HINT] * bool(returned) + [SLOW_HINT]
         return out
     calls = set(waiting.values())
     if len(calls) > 1:
         each = "; ".join(f"rank {r} in {name}" + (f" (its {_ordinal(n)})" if n else "")
                          for r, (name, n) in waiting.items())
-        out.append(f"The ranks wait in different collectives: {each}. Every rank must make the "
-                   "same collective calls in the same order.")
-        return out
+        return out + [f"The ranks wait in different collectives: {each}. Every rank must make "
+                      "the same collective calls in the same order."]
     (name, n), = calls
     target = f"{name}, its {_ordinal(n)}" if n else name
-    waiters = ranks(waiting)
-    for rank, count in behind.items():
-        if count is None or n is None or count < n:
-            verb = "has not reached" if count is None else "never reached"
-            out.append(f"rank {rank} {verb} the collective {waiters} "
-                       f"{'is' if len(waiting) == 1 else 'are'} waiting in ({target}).")
-    if not behind:
-        out.append(f"Every rank is waiting in {target}: check that they pass tensors of the same "
-                   "shape and dtype; if the work is only slow, pass a larger timeout=.")
-    return out
+    waiters, verb = ranks(waiting), "is" if len(waiting) == 1 else "are"
+    missing = [r for r, count in behind.items() if count is None or n is None or count < n]
+    for rank in missing:
+        reached = "has not reached" if behind[rank] is None else "never reached"
+        out.append(f"rank {rank} {reached} the collective {waiters} {verb} waiting in ({target}).")
+    past = [r for r in behind if r not in missing]
+    for rank in past:  # its part of that very collective done: the calls did not match
+        out.append(f"rank {rank} had already made its part of the collective {waiters} {verb} "
+                   f"waiting in ({target}): their calls did not match.")
+    slow = [SLOW_HINT] if set(missing) - returned or not behind else []
+    if name in _P2P:
+        return out + ["A send or a recv ends only when the rank it names (dst= or src=) makes "
+                      "the matching call: a recv for each send, in the same order."] + slow
+    if missing:
+        return out + [HANG_HINT] + slow
+    if past:
+        return out + ["Every rank must pass a collective tensors of the same shape and dtype, "
+                      "and make the same calls in the same order."]
+    return out + [f"Every rank is waiting in {target}: check that they pass tensors of the same "
+                  "shape and dtype, and the same group."] + slow
