@@ -496,7 +496,8 @@ assert abs(ratio(summed_dp, fsdp_tp_reference["grads"]) - MESH_SHAPE[0]) < 1e-12
 #
 # Below, each rank divides its sum of per-token losses by a count all-reduced over dp × cp,
 # then every gradient is summed over dp × cp. The backward needs
-# `sdpa_kernel(SDPBackend.MATH)` on the CPU: the default kernel's backward has no CP rule.
+# `sdpa_kernel(SDPBackend.MATH)` on the CPU. CP registers sharding rules for the GPU kernels,
+# none for the default CPU kernel's backward (printed below, from torch's source).
 
 # %%
 class Attention(nn.Module):
@@ -549,23 +550,10 @@ def context_parallel_run(rank, world_size, count_over="dp × cp"):
     return dict(seen, grads=grads, params={n: p.detach() for n, p in model.named_parameters()})
 
 
-def default_kernel_backward(rank, world_size):
-    """The same backward without sdpa_kernel(MATH): what the default CPU kernel raises."""
-    from torch.distributed.tensor.experimental import context_parallel
-
-    float64_and_quiet()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    x, y = XC.clone(), YC.clone()
-    try:
-        with context_parallel(mesh, buffers=[x, y], buffer_seq_dims=[1, 1]):
-            ((attention(x) - y) ** 2).mean().backward()
-    except NotImplementedError as error:  # raised on every rank, before any collective
-        return str(error).splitlines()[0]
-
 cp_runs = {"count over dp × cp": {}, "count over dp (verl#5983)": {"count_over": "dp"}}
-cp_results = gst.launch(lambda r, w: dict(
-    {name: context_parallel_run(r, w, **kw) for name, kw in cp_runs.items()},
-    default_kernel=default_kernel_backward(r, w)), MESH_RANKS)[0]
+cp_results = gst.launch(
+    lambda r, w: {name: context_parallel_run(r, w, **kw) for name, kw in cp_runs.items()},
+    MESH_RANKS)[0]
 
 # %%
 print(f"CP on a {MESH_SHAPE} (dp, cp) mesh, {STEPS} steps; tokens (rows, sequence) on each rank: "
@@ -575,7 +563,12 @@ for name in cp_runs:
     print(f"{name:<27} count {res['count']:>3}, grad ratio "
           f"{ratio(res['grads'], cp_reference['grads']):.4f}, params vs 1 process "
           f"{max_diff(res['params'], cp_reference['params']):.2g}")
-print(f"without sdpa_kernel(MATH), the backward raised: {cp_results['default_kernel']}")
+import inspect
+import re
+from torch.distributed.tensor.experimental._context_parallel import _sharding_rules  # private
+cp_rules = re.findall(r"aten\.(\w+)\.default", inspect.getsource(
+    _sharding_rules.register_cp_sharding_rules))  # the SDPA kernels that CP can shard
+print(f"CP's sharding rules (torch {torch.__version__}): {', '.join(cp_rules)}")
 full_count = cp_results["count over dp × cp"]
 assert full_count["local tokens"] == [2, 4] and full_count["count"] == XC.shape[0] * XC.shape[1]
 assert max_diff(full_count["grads"], cp_reference["grads"]) < 1e-15
@@ -583,7 +576,8 @@ assert max_diff(full_count["params"], cp_reference["params"]) < 1e-14
 dp_count = cp_results["count over dp (verl#5983)"]
 assert dp_count["count"] * MESH_SHAPE[1] == full_count["count"]  # undercounted by a factor of cp
 assert abs(ratio(dp_count["grads"], cp_reference["grads"]) - MESH_SHAPE[1]) < 1e-12  # × cp
-assert "does not have a sharding strategy registered" in cp_results["default_kernel"]
+assert "_scaled_dot_product_flash_attention_backward" in cp_rules  # the GPU flash kernel's
+assert not any(name.endswith("_for_cpu_backward") for name in cp_rules)  # none for the CPU's
 
 # %% [markdown]
 # Counting over dp alone gives half the tokens, and gradients × cp = 2. The fix is the count's
