@@ -319,11 +319,12 @@ hsdp_reference = one_process(mlp, lambda m: F.mse_loss(m(X), Y))
 
 
 # %%
-def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch"):
+def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch",
+         dtype=torch.float64, loss_scale=1.0):
     """HSDP on MESH_SHAPE: the first gradients and the parameters after STEPS steps."""
     float64_and_quiet()
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("replicate", "shard"))
-    model = copy.deepcopy(mlp)
+    model = copy.deepcopy(mlp).to(dtype)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -331,7 +332,7 @@ def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch
         for module in (model[0], model[2], model):
             module.set_gradient_divide_factor(factor)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = X.chunk(world_size)[rank], Y.chunk(world_size)[rank]  # 4 samples a rank
+    x, y = X.chunk(world_size)[rank].to(dtype), Y.chunk(world_size)[rank].to(dtype)  # 4 a rank
     for step in range(STEPS):
         sgd.zero_grad()
         for k, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
@@ -341,7 +342,7 @@ def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch
             elif sync == "set_requires_all_reduce":  # reduce-scatter each, all-reduce the last
                 model.set_requires_all_reduce(last)
             with gst.detect.count_collectives() as counted:
-                (F.mse_loss(model(xm), ym) / micro_batches).backward()
+                (loss_scale * F.mse_loss(model(xm), ym) / micro_batches).backward()
         if step == 0:
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             backward = dict(counted.calls)  # the last micro-batch's backward
@@ -388,10 +389,44 @@ assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12
 # The default divides by R·S = 4, whichever of the three accumulation spellings you use.
 # `set_gradient_divide_factor` replaces that total, not the division of one dimension: the
 # shard size 2 leaves the gradient twice too large, × the number of replicas.
-# Each layer's backward made one reduce-scatter and one all-reduce. (Factors work on gloo here
-# because float64 takes FSDP2's SUM path. In float32, a factor other than the shard size needs
-# `PREMUL_SUM`, which gloo refuses: notebook 08 shows it.)
+# Each layer's backward made one reduce-scatter and one all-reduce.
 #
+# ### In float32, gloo refuses a divide factor
+#
+# Every factor above worked on gloo because float64 takes FSDP2's SUM path. In float32, FSDP2
+# sends a factor other than the shard size as `ReduceOp.PREMUL_SUM` (notebook 08 reads the
+# source that picks it). Gloo has no `PREMUL_SUM`. Here is the sum, factor 1, in float32. It
+# gets a launch of its own, since a failed collective breaks its process group.
+
+# %%
+try:
+    gst.launch(lambda r, w: hsdp(r, w, factor=1.0, dtype=torch.float32), MESH_RANKS,
+               backend="gloo")
+    premul_error = None
+except gst.RankFailedError as error:
+    premul_error = error.failure.message
+    print(f"HSDP, float32, factor 1: rank {error.rank} raised {error.exc_type}: {premul_error}")
+assert premul_error == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+
+# %% [markdown]
+# In float32 on gloo, leave the factor at its default and scale the loss instead. Multiply it
+# by R·S / the factor you wanted: × 4 for the sum. Float64, as above, is the other way out.
+# Notebook 08 shows a third, `set_force_sum_reduction_for_comms(True)`. The loss × 4, against
+# float64's factor 1:
+
+# %%
+float32_sum = gst.launch(lambda r, w: hsdp(r, w, dtype=torch.float32, loss_scale=MESH_RANKS),
+                         MESH_RANKS, backend="gloo")[0]
+float64_sum = hsdp_results["factor = 1 (the sum)"]["grads"]
+float32_gap = max_diff(float32_sum["grads"], float64_sum) / max(
+    g.abs().max().item() for g in float64_sum.values())
+print(f"float32, default factor, loss × {MESH_RANKS}: grad ratio "
+      f"{ratio(float32_sum['grads'], hsdp_reference['grads']):.4f}; vs float64's factor 1 "
+      f"{float32_gap:.1g} (relative)")
+assert abs(ratio(float32_sum["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-5
+assert float32_gap < 1e-6
+
+# %% [markdown]
 # ## FSDP × TP + SP on a 2 × 2 mesh: the loss divisor
 #
 # Now both dimensions at once: `fully_shard` over "dp" and the SP block over "tp". Rank (d, t)
@@ -447,6 +482,107 @@ summed_dp = fsdp_tp_results["sum / data-rank count, factor 1"]["grads"]
 assert abs(ratio(summed_dp, fsdp_tp_reference["grads"]) - MESH_SHAPE[0]) < 1e-12  # × dp
 
 # %% [markdown]
+# ## Context parallel: over which ranks is the token count taken?
+#
+# **Context parallel** (CP) splits each sequence between ranks in every layer, attention
+# included. Each rank keeps its share of the tokens; attention gathers the other ranks' keys and
+# values. `context_parallel(mesh, buffers=...)` shards the buffers along the sequence and
+# patches `scaled_dot_product_attention` (its docstring says both). On a (dp, cp) mesh, rank
+# (d, c) holds data rank d's rows, and the c-th share of their tokens. A token mean must then
+# count the tokens over dp × cp. verl#5983 counted them over the data-parallel group only: its
+# "`batch_num_tokens` is undercounted by a factor of CP". Megatron-LM#906 is titled "wrong loss
+# scaling when context parallel is on". In transformers#39648, with CP or TP set, "the training
+# loss will be scaled up by the product of those values".
+#
+# Below, each rank divides its sum of per-token losses by a count all-reduced over dp × cp,
+# then every gradient is summed over dp × cp. The backward needs
+# `sdpa_kernel(SDPBackend.MATH)` on the CPU. CP registers sharding rules for the GPU kernels,
+# none for the default CPU kernel's backward (printed below, from torch's source).
+
+# %%
+class Attention(nn.Module):
+    """Self-attention with 2 heads: the layer that context parallel splits."""
+
+    def __init__(self, hidden=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape  # q, k, v: (batch, heads, sequence, hidden / heads)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+torch.manual_seed(2)
+attention = Attention()
+XC, YC = torch.randn(4, 8, 8), torch.randn(4, 8, 8)  # (batch, sequence, hidden): 32 tokens
+cp_reference = one_process(attention, lambda m: ((m(XC) - YC) ** 2).mean(-1).mean())
+
+
+def context_parallel_run(rank, world_size, count_over="dp × cp"):
+    """CP on a (dp, cp) mesh: the first gradients, the count and the parameters after."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    float64_and_quiet()
+    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "cp"))
+    count_group = None if count_over == "dp × cp" else mesh.get_group("dp")  # None: every rank
+    d = mesh.get_local_rank("dp")
+    model = copy.deepcopy(attention)
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        sgd.zero_grad()
+        x, y = XC.chunk(MESH_SHAPE[0])[d].clone(), YC.chunk(MESH_SHAPE[0])[d].clone()  # my rows
+        with sdpa_kernel(SDPBackend.MATH), context_parallel(
+                mesh["cp"], buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
+            per_token = ((model(x) - y) ** 2).mean(-1)  # x, y: now my share of the sequence
+            tokens = torch.tensor(float(per_token.numel()))
+            dist.all_reduce(tokens, group=count_group)  # the token count
+            (per_token.sum() / tokens).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # SUM over dp × cp: the mean is in the loss
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            seen = {"local tokens": list(per_token.shape), "count": int(tokens.item())}
+        sgd.step()
+    return dict(seen, grads=grads, params={n: p.detach() for n, p in model.named_parameters()})
+
+
+cp_runs = {"count over dp × cp": {}, "count over dp (verl#5983)": {"count_over": "dp"}}
+cp_results = gst.launch(
+    lambda r, w: {name: context_parallel_run(r, w, **kw) for name, kw in cp_runs.items()},
+    MESH_RANKS)[0]
+
+# %%
+print(f"CP on a {MESH_SHAPE} (dp, cp) mesh, {STEPS} steps; tokens (rows, sequence) on each rank: "
+      f"{cp_results['count over dp × cp']['local tokens']}")
+for name in cp_runs:
+    res = cp_results[name]
+    print(f"{name:<27} count {res['count']:>3}, grad ratio "
+          f"{ratio(res['grads'], cp_reference['grads']):.4f}, params vs 1 process "
+          f"{max_diff(res['params'], cp_reference['params']):.2g}")
+import inspect
+import re
+from torch.distributed.tensor.experimental._context_parallel import _sharding_rules  # private
+cp_rules = re.findall(r"aten\.(\w+)\.default", inspect.getsource(
+    _sharding_rules.register_cp_sharding_rules))  # the SDPA kernels that CP can shard
+print(f"CP's sharding rules (torch {torch.__version__}): {', '.join(cp_rules)}")
+full_count = cp_results["count over dp × cp"]
+assert full_count["local tokens"] == [2, 4] and full_count["count"] == XC.shape[0] * XC.shape[1]
+assert max_diff(full_count["grads"], cp_reference["grads"]) < 1e-15
+assert max_diff(full_count["params"], cp_reference["params"]) < 1e-14
+dp_count = cp_results["count over dp (verl#5983)"]
+assert dp_count["count"] * MESH_SHAPE[1] == full_count["count"]  # undercounted by a factor of cp
+assert abs(ratio(dp_count["grads"], cp_reference["grads"]) - MESH_SHAPE[1]) < 1e-12  # × cp
+assert "_scaled_dot_product_flash_attention_backward" in cp_rules  # the GPU flash kernel's
+assert not any(name.endswith("_for_cpu_backward") for name in cp_rules)  # none for the CPU's
+
+# %% [markdown]
+# Counting over dp alone gives half the tokens, and gradients × cp = 2. The fix is the count's
+# group, not a rescaling: every rank that holds some of the tokens takes part in the count.
+#
 # ### In bfloat16, the TP sum runs in bfloat16
 #
 # Notebook 09 measured the precision of the sum. FSDP2's `MixedPrecisionPolicy(param_dtype=
