@@ -45,27 +45,10 @@ start, or while a failure is reported, stops them too. The rendezvous store list
 
 What a reused worker puts back before each job
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A job on a warm worker starts as it would in a fresh interpreter, as far as global state that
-training code commonly changes goes: the environment (the notebook's, plus torchrun's
-variables), ``sys.argv``, the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``;
-torch's grad mode (on), default dtype (float32) and default device, deterministic algorithms and
-anomaly detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so
-that GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options
-and thread count; fresh random seeds for torch, ``random`` and numpy (as a new process gets:
-seed inside ``fn`` for reproducible runs); the warnings filters (and which warnings were already
-shown); signal handlers; the recursion limit; any function of ``builtins``, ``torch``,
-``torch.distributed`` or ``torch.nn.functional`` and any attribute of the classes in ``torch``,
-``torch.nn``, ``torch.optim`` and ``torch.distributed`` that a job replaced
-(``torch.Tensor.__add__`` monkeypatched).
-
-What cannot be put back is a library's process-wide state, so a job that imported one of
-:data:`~gradsync_tutorial.launcher.worker.STATEFUL_LIBRARIES` (Accelerate, Lightning, DeepSpeed,
-...), or a module of the user's own from inside ``fn``, retires its workers: the launch says so
-in one line, and the next launch starts fresh interpreters, as every torchrun does. Threads
-a job left running (a background save) are waited for before the rank returns, as a process
-waits for them before it exits (a thread pool's idle threads excepted). Not reset otherwise:
-other modules' globals, CUDA state.
-``reuse_workers=False`` gives every launch fresh interpreters.
+A job on a warm worker starts as it would in a fresh interpreter: the list of what is put back,
+and of what retires a worker instead, is :mod:`gradsync_tutorial.launcher.fresh_state`'s
+docstring. Threads a job left running (a background save) are waited for before the rank
+returns, as a process waits for them before it exits (a thread pool's idle threads excepted).
 
 Platforms
 ~~~~~~~~~
