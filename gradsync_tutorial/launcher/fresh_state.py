@@ -33,6 +33,7 @@ Used by :mod:`gradsync_tutorial.launcher.worker` only, inside a worker process:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -52,6 +53,9 @@ def start_job(job: Job) -> None:
     import torch
 
     _put_back_globals()
+    _forget_edited_modules()
+    _watch_once_per_process()
+    put_back_descriptors()
     # Undo a previous job's swap (or close) of the streams.
     sys.stdout, sys.stderr = original_stream("stdout"), original_stream("stderr")
     os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
@@ -63,16 +67,26 @@ def start_job(job: Job) -> None:
 
 
 # Modules whose functions notebooks (and tests) monkeypatch; a rebound function is put back.
-_PATCHABLE = ("builtins", "torch", "torch.distributed", "torch.nn.functional")
+_PATCHABLE = ("builtins", "torch", "torch.distributed", "torch.nn.functional", "torch.autograd",
+              "torch.nn.init", "torch.nn.utils", "torch.nn.modules.module", "torch.optim.optimizer",
+              "torch.utils.checkpoint", "torch.amp", "torch.cuda", "torch.linalg", "torch.random")
+# Modules whose ``_global_*`` hooks a job may register (register_module_forward_hook, an
+# optimizer's register_optimizer_step_pre_hook): emptied as a fresh interpreter has them.
+_HOOK_MODULES = ("torch.nn.modules.module", "torch.optim.optimizer")
 _fresh: dict = {}
 
 
 def remember() -> None:
     """Called once, before the first job: the state :func:`start_job` puts back."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.functional  # noqa: F401
+    import importlib
+    import logging
 
+    import torch
+
+    for name in _PATCHABLE:
+        importlib.import_module(name)
+    _course_precision()
+    put_back_descriptors()  # the first call copies them
     _fresh["sys.path"] = list(sys.path)
     _fresh["sys.argv"] = list(sys.argv)
     _fresh["classes"] = {cls: dict(vars(cls)) for cls in _patchable_classes()}
@@ -84,6 +98,15 @@ def remember() -> None:
         name: {k: v for k, v in vars(sys.modules[name]).items() if callable(v)}
         for name in _PATCHABLE
     }
+    _fresh["hooks"] = {name: {k: (dict(v) if isinstance(v, dict) else v)
+                              for k, v in vars(sys.modules[name]).items()
+                              if k.startswith("_global_")} for name in _HOOK_MODULES}
+    _fresh["matmul precision"] = torch.get_float32_matmul_precision()
+    _fresh["fp32_precision"] = [(holder, holder.fp32_precision) for holder in _fp32_holders()]
+    _fresh["logging"] = (logging.root.manager.disable, {
+        logger: (logger.level, list(logger.handlers), logger.propagate, logger.disabled)
+        for logger in [logging.root, *logging.root.manager.loggerDict.values()]
+        if isinstance(logger, logging.Logger)})
 
 
 def _put_back_globals() -> None:
@@ -98,11 +121,7 @@ def _put_back_globals() -> None:
         torch.use_deterministic_algorithms(False)
     torch.autograd.set_detect_anomaly(False)
     torch.set_printoptions(profile="default")
-    torch.backends.cudnn.benchmark = False
-    # Not a fresh interpreter's (False, True): GPU runs that repeat bit for bit, in float32, as
-    # the notebooks' checks need (the scripts set the same; CPUs ignore both).
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
-    torch.backends.cuda.matmul.allow_tf32 = False
+    _put_back_precision()
     # Fresh random state, as a new interpreter gets (fn seeds it itself for reproducibility).
     # Not torch.seed(): on a machine without CUDA it queues a call for each accelerator type
     # (with its stack) that runs only if one is ever initialized, every job.
@@ -116,19 +135,108 @@ def _put_back_globals() -> None:
     if hasattr(warnings, "_filters_mutated"):
         warnings._filters_mutated()  # forget which warnings were already shown once
     sys.setrecursionlimit(_fresh["recursionlimit"])
+    cancel_alarms()
     for sig, handler in _fresh["signals"].items():
         if signal.getsignal(sig) is not handler:
             try:
                 signal.signal(sig, handler)
             except (OSError, ValueError, TypeError):
                 pass
+    _put_back_functions()
+    sys.argv = list(_fresh["sys.argv"])  # a job's argparse setup (sys.argv = [...]) is forgotten
+    _restore_classes(_fresh["classes"])
+    _put_back_logging()
+
+
+def _course_precision() -> None:
+    """cudnn's flags as the course runs: not a fresh interpreter's (False, True), so that GPU
+    runs repeat bit for bit, in float32, as the notebooks' checks need (the scripts set the
+    same; CPUs ignore both). Set once, before :func:`remember` reads them."""
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _fp32_holders() -> list:
+    """torch's objects with an ``fp32_precision`` (the API that replaces ``allow_tf32``),
+    each backend before its operators: setting a backend's sets its operators'."""
+    import torch
+
+    backends = torch.backends
+    holders = [backends, backends.cuda.matmul, backends.cudnn, backends.cudnn.conv,
+               backends.cudnn.rnn, backends.mkldnn, backends.mkldnn.matmul,
+               backends.mkldnn.conv, backends.mkldnn.rnn]
+    return [h for h in holders if hasattr(h, "fp32_precision")]  # (torch >= 2.9)
+
+
+def _put_back_precision() -> None:
+    """Float32 precision as :func:`remember` found it, in both of torch's APIs.
+
+    torch keeps the old flags (``set_float32_matmul_precision``, ``allow_tf32``) and the new
+    ``fp32_precision`` apart, and its getters raise ("a mix of the legacy and new APIs") when
+    they disagree: so each is put back, the old first, then every ``fp32_precision``."""
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.set_float32_matmul_precision(_fresh["matmul precision"])
+    torch.backends.cudnn.allow_tf32 = False  # the old flag: its getter reads no new one
+    for holder, precision in _fresh["fp32_precision"]:
+        if holder.fp32_precision != precision:
+            holder.fp32_precision = precision
+
+
+def _put_back_functions() -> None:
+    """Functions a job rebound in :data:`_PATCHABLE`'s modules, and the global hooks it
+    registered in :data:`_HOOK_MODULES`' (emptied in place: their handles hold the dicts)."""
     for name, functions in _fresh["functions"].items():
         namespace = vars(sys.modules[name])
+        if functions.items() <= namespace.items():  # in C: nothing was rebound (~0.1 ms)
+            continue
         for attr, original in functions.items():
             if namespace.get(attr) is not original:
                 namespace[attr] = original
-    sys.argv = list(_fresh["sys.argv"])  # a job's argparse setup (sys.argv = [...]) is forgotten
-    _restore_classes(_fresh["classes"])
+    for name, hooks in _fresh["hooks"].items():
+        namespace = vars(sys.modules[name])
+        for attr, fresh in hooks.items():
+            current = namespace.get(attr)
+            if isinstance(fresh, dict) and isinstance(current, dict):
+                if current != fresh:
+                    current.clear()
+                    current.update(fresh)
+            elif current is not fresh:
+                namespace[attr] = fresh
+
+
+def _put_back_logging() -> None:
+    """The logging configuration a job set (``basicConfig``, a logger's level or handlers):
+    loggers as they were, and those a job created as ``getLogger`` makes them."""
+    import logging
+
+    disable, loggers = _fresh["logging"]
+    logging.disable(disable)
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        if not isinstance(logger, logging.Logger):
+            continue
+        level, handlers, propagate, disabled = loggers.get(
+            logger, (logging.NOTSET, [], True, False))
+        if logger.handlers != handlers:
+            logger.handlers[:] = handlers
+        if logger.level != level:
+            logger.setLevel(level)  # (clears the loggers' cached levels)
+        logger.propagate, logger.disabled = propagate, disabled
+
+
+def cancel_alarms() -> None:
+    """Cancel a pending ``signal.alarm`` or interval timer of a job: it would kill the next
+    job, or the worker while it waits for one (SIGALRM ends a process)."""
+    if hasattr(signal, "alarm"):
+        signal.alarm(0)
+    for timer in ("ITIMER_REAL", "ITIMER_VIRTUAL", "ITIMER_PROF"):
+        if hasattr(signal, timer):
+            signal.setitimer(getattr(signal, timer), 0)
 
 
 # The classes whose attributes jobs monkeypatch (torch.Tensor.__add__, nn.Module.__call__,
@@ -204,11 +312,14 @@ def retiring_imports(before: set[str]) -> tuple[str, ...]:
 
 
 def _from_a_file(name: str) -> bool:
-    """A module of its own on disk: not ``__main__``, nor a module a compiled extension makes
-    for itself (Cython's ``_cython_3_2_4``), which belongs to whoever imported it."""
+    """A module of its own on disk, outside the installed and the standard libraries: not
+    ``__main__``, nor a module a compiled extension makes for itself (Cython's
+    ``_cython_3_2_4``, pandas' ``_cyutility``), which belongs to whoever imported it."""
     module = sys.modules.get(name)
-    return not name.startswith("__") and bool(
-        getattr(module, "__file__", None) or getattr(module, "__path__", None))
+    files = [getattr(module, "__file__", None), *(getattr(module, "__path__", None) or ())]
+    files = [f for f in files if isinstance(f, str)]
+    return not name.startswith("__") and bool(files) and not any(
+        _installed_or_standard(f) for f in files)
 
 
 @functools.lru_cache(maxsize=1)
@@ -217,6 +328,112 @@ def _distributions() -> dict:
     from importlib.metadata import packages_distributions
 
     return packages_distributions()
+
+
+# -- what no reset undoes: reasons to retire the worker ----------------------------------------
+
+_once_called: list[str] = []  # this job's calls of torch's once-per-process setters
+
+
+def _watch_once_per_process() -> None:
+    """Note a call of ``torch.set_num_interop_threads``: a process may call it once, so a
+    worker where a job called it cannot run the next job that does (see :func:`retire_reasons`).
+    """
+    import torch
+
+    _once_called.clear()
+    original = _fresh["functions"]["torch"]["set_num_interop_threads"]
+
+    @functools.wraps(original)
+    def set_num_interop_threads(num: int) -> None:
+        _once_called.append("torch.set_num_interop_threads")
+        return original(num)
+
+    torch.set_num_interop_threads = set_num_interop_threads  # put back before the next job
+
+
+def retire_reasons() -> tuple[str, ...]:
+    """Why this worker cannot run another job as a fresh interpreter would, in words for the
+    launch's note ("fn called torch.set_num_interop_threads, which ..."); () if it can."""
+    if _once_called:
+        return ("fn called torch.set_num_interop_threads, which a process can call only once",)
+    return ()
+
+
+# -- the user's own modules, as edited since -----------------------------------------------------
+
+_loaded_for_fn: dict[str, tuple[str, int, int]] = {}  # module -> its file, mtime, size
+
+
+def note_loaded_for_fn(before: set[str]) -> None:
+    """Remember the files of the user's own modules that unpickling ``fn`` imported (``fn``
+    lives in a module next to the notebook, pickled by its name). ``before``: sys.modules'
+    names before."""
+    for name in [n for n in list(sys.modules) if n not in before]:
+        path = getattr(sys.modules[name], "__file__", None)
+        if path and not _installed_or_standard(path):
+            with contextlib.suppress(OSError):
+                stat = os.stat(path)
+                _loaded_for_fn[name] = (path, stat.st_mtime_ns, stat.st_size)
+
+
+def _forget_edited_modules() -> None:
+    """A module of the user's own whose file changed since a job imported it (edited, and
+    ``importlib.reload``-ed in the notebook) is imported again, as a fresh process would."""
+    for name, (path, mtime, size) in list(_loaded_for_fn.items()):
+        try:
+            stat = os.stat(path)
+            unchanged = (stat.st_mtime_ns, stat.st_size) == (mtime, size)
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            del _loaded_for_fn[name]
+            sys.modules.pop(name, None)
+
+
+def _installed_or_standard(path: str) -> bool:
+    """Is ``path`` a file of an installed library or of the standard library (never a module
+    of the user's own, whatever its name: pandas' compiled ``_cyutility`` is one)?"""
+    folders = {os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep}
+    if any(folder in path for folder in folders):
+        return True
+    return any(path.startswith(root + os.sep) for root in _standard_roots())
+
+
+@functools.lru_cache(maxsize=1)
+def _standard_roots() -> tuple[str, ...]:
+    """The standard library's folders, and the installed libraries' (read once)."""
+    import site
+    import sysconfig
+
+    roots = {sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    with contextlib.suppress(AttributeError):  # (a virtual environment's old site.py)
+        roots.update(site.getsitepackages())
+    return tuple(sorted(os.path.abspath(r) for r in roots if r))
+
+
+# -- the standard streams --------------------------------------------------------------------
+
+_descriptors: dict[int, int] = {}  # 1 and 2 -> a copy of each, made at start-up
+
+
+def put_back_descriptors() -> None:
+    """File descriptors 1 and 2 as at start-up (the pipes to the launcher), after a job
+    closed one (``os.close(1)``) or pointed it elsewhere (``os.dup2``): a fresh process has
+    them, and the launcher reads each job's end mark there."""
+    for fd in (1, 2):
+        if fd not in _descriptors:
+            with contextlib.suppress(OSError):
+                _descriptors[fd] = os.dup(fd)  # not inherited by programs a job starts
+            continue
+        saved = os.fstat(_descriptors[fd])
+        try:
+            now = os.fstat(fd)
+            same = (now.st_dev, now.st_ino) == (saved.st_dev, saved.st_ino)
+        except OSError:  # closed
+            same = False
+        if not same:
+            os.dup2(_descriptors[fd], fd)
 
 
 def original_stream(name: str) -> io.TextIOBase | None:

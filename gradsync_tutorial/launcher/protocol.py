@@ -82,6 +82,9 @@ class Finished(JobMessage):
     # What the job imported that a fresh interpreter would not have (a library that keeps
     # process-wide state, a module of the user's own): the launcher retires these workers.
     imported: tuple[str, ...] = ()
+    # What the job did that no reset undoes, in words ("fn called torch.set_num_interop_threads,
+    # which a process can call only once"): the launcher retires these workers too.
+    retire: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,8 @@ def launch(
             # that imported a library with process-wide state needs no teardown: its workers
             # are retired.
             workers.tear_down(state, OUTPUT_IDLE_SECONDS, max(timeout, TEARDOWN_SECONDS),
-                              destroy_groups=not state.imported)
-            if state.imported and not state.failures:
+                              destroy_groups=not state.retiring)
+            if state.retiring and not state.failures:
                 workers.stop_despite_interrupts()  # while the store is up, as on a failure
         if state.failures:  # in the job or its teardown. Stop every rank while the store is
             # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
@@ -208,8 +208,8 @@ def launch(
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
         raise shown_from_caller(error) from error.__cause__
-    if state.imported:
-        _say_retired(state.imported, reuse_workers)
+    if state.retiring:
+        _say_retired(state.imported, reuse_workers, state.retire)
     else:
         _give_back(workers, reuse_workers)
     results, error = state.rebuilt_results(world_size)
@@ -218,15 +218,20 @@ def launch(
     return results
 
 
-def _say_retired(imported: set[str], reuse: bool) -> None:
-    """A job imported libraries that may keep process-wide state: say, in one line, that its
-    workers were retired (the next launch starts fresh ones, as torchrun starts every run)."""
-    if reuse:
+def _say_retired(imported: set[str], reuse: bool, reasons: Iterable[str] = ()) -> None:
+    """A job imported libraries that may keep process-wide state (or did what no reset undoes,
+    ``reasons``): say, in one line, that its workers were retired (the next launch starts fresh
+    ones, as torchrun starts every run)."""
+    if not reuse:
+        return
+    why = sorted(reasons)
+    if imported:
         names = ", ".join(sorted(imported)[:4]) + (", ..." if len(imported) > 4 else "")
-        print(f"gst.launch: fn imported {names}, which may keep process-wide state (such as "
-              "Accelerate's AcceleratorState), so these workers were retired: the next launch "
-              "starts fresh ones (a few seconds). reuse_workers=False says so up front.",
-              file=sys.stderr, flush=True)
+        why.insert(0, f"fn imported {names}, which may keep process-wide state (such as "
+                   "Accelerate's AcceleratorState)")
+    print(f"gst.launch: {'; '.join(why)}, so these workers were retired: the next launch "
+          "starts fresh ones (a few seconds). reuse_workers=False says so up front.",
+          file=sys.stderr, flush=True)
 
 
 # -- the idle pool, kept between launches ------------------------------------------------------

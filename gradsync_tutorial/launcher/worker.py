@@ -105,8 +105,11 @@ def _end_of_job(job_id: int) -> None:
     """Flush both streams and mark the end of this job's output on each.
 
     The marks go to the original streams, in case ``fn`` replaced ``sys.stdout``; one that
-    ``fn`` closed is opened again on its file descriptor (which ``close()`` leaves open).
+    ``fn`` closed is opened again on its file descriptor (which ``close()`` leaves open), and a
+    descriptor ``fn`` closed or redirected is put back first.
     """
+    _fresh_state.cancel_alarms()  # a job's alarm must not end the worker while it waits
+    _fresh_state.put_back_descriptors()
     for name in ("stdout", "stderr"):
         try:
             getattr(sys, name).flush()
@@ -158,7 +161,9 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         # finds this one too.
         _own_group.install(rank, world_size, os.environ["MASTER_ADDR"],
                            int(os.environ["MASTER_PORT"]))
+        before = set(sys.modules)
         fn, args = cloudpickle.loads(job.payload)
+        _fresh_state.note_loaded_for_fn(before)
         # Count the collectives fn enters: a hang report says how far each rank got.
         counter = CollectiveCounter(fn, *args, keep_arguments=False)
         before = set(sys.modules)
@@ -179,7 +184,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     try:
         result = _unwrap_ddp(result)
         return Finished(job.job_id, _dumps_result(result), counter.total,
-                        _fresh_state.retiring_imports(before))
+                        _fresh_state.retiring_imports(before), _fresh_state.retire_reasons())
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
