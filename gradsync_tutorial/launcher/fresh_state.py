@@ -290,7 +290,8 @@ _MISSING = object()
 # AcceleratorState and PartialState, Lightning's and DeepSpeed's launch state, ...): after a job
 # that imported one, its workers are retired, as if each launch were a new torchrun.
 STATEFUL_LIBRARIES = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
-                      "deepspeed", "transformers", "colossalai", "horovod", "ray", "mpi4py")
+                      "deepspeed", "transformers", "colossalai", "horovod", "ray", "mpi4py",
+                      "datasets")  # datasets: disable_caching(), disable_progress_bars()
 
 
 def retiring_imports(before: set[str]) -> tuple[str, ...]:

@@ -340,3 +340,103 @@ def test_a_function_of_the_user_s_own_module_runs_as_edited_and_reloaded(tmp_pat
     os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
     importlib.reload(my_training)  # what the notebook does after an edit
     assert gst.launch(my_training.train, world_size=2) == ["v2", "v2"]
+
+
+def test_a_job_that_closed_its_standard_output_leaves_the_next_launches_fast_and_heard(capsys):
+    import time
+
+    def close_stdout(rank, world_size):
+        import os
+
+        os.close(1)  # a C library's clean-up, say: the rank's prints are lost from here
+
+    def hello(rank, world_size):
+        print(f"hello from rank {rank}")
+
+    gst.launch(close_stdout, world_size=2)
+    for _ in range(2):
+        start = time.monotonic()
+        gst.launch(hello, world_size=2)
+        assert time.monotonic() - start < 3  # not the 5 s wait for an end mark that never came
+    out = capsys.readouterr().out
+    assert out.count("hello from rank 0") == out.count("hello from rank 1") == 2
+
+
+def installed_library(site, name: str, code: str, files: dict[str, str] | None = None):
+    """A library ``name`` installed under ``site`` (a folder named site-packages), with its
+    ``.dist-info`` as pip writes it."""
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text(code)
+    for path, text in (files or {}).items():
+        (site / name / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / name / path).write_text(text)
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(f"{name}\n")
+
+
+# A library whose compiled part registers a top-level helper module (pandas' _cyutility).
+WITH_A_HELPER_MODULE = """
+import importlib.util, pathlib, sys
+_path = pathlib.Path(__file__).parent / "_libs" / "_cyutility_fake.py"
+_spec = importlib.util.spec_from_file_location("_cyutility_fake", _path)
+sys.modules["_cyutility_fake"] = _module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+"""
+
+
+def test_an_installed_library_s_helper_module_does_not_retire_the_workers(
+        tmp_path, monkeypatch, capsys):
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "fakepandas", WITH_A_HELPER_MODULE,
+                      {"_libs/_cyutility_fake.py": "X = 1\n"})
+    monkeypatch.syspath_prepend(str(site))
+
+    def uses_the_library(rank, world_size):
+        import os
+
+        import fakepandas  # noqa: F401
+        return os.getpid()
+
+    def also_a_stateful_one(rank, world_size):
+        import fakepandas  # noqa: F401
+
+        from tests.programs import stateful_library  # noqa: F401
+
+    first = gst.launch(uses_the_library, world_size=2)
+    assert gst.launch(uses_the_library, world_size=2) == first  # kept warm
+    assert "retired" not in capsys.readouterr().err
+    gst.launch(also_a_stateful_one, world_size=2)
+    note = capsys.readouterr().err
+    assert "fn imported tests," in note and "fake" not in note  # only what the job imported
+
+
+DATASETS_SWITCHES = """
+_caching = True
+def disable_caching():
+    global _caching
+    _caching = False
+def is_caching_enabled():
+    return _caching
+"""
+
+
+def test_datasets_switches_set_by_a_job_do_not_reach_the_next(tmp_path, monkeypatch):
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "datasets", DATASETS_SWITCHES)  # its process-wide switches
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(__import__("sys").modules, "datasets", raising=False)
+
+    def no_cache(rank, world_size):
+        import datasets
+
+        datasets.disable_caching()
+
+    def caching(rank, world_size):
+        import datasets
+
+        return datasets.is_caching_enabled()
+
+    fresh, after = looks_fresh_after(no_cache, caching)
+    assert after == fresh == [True, True]
