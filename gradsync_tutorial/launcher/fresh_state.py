@@ -8,20 +8,30 @@ puts back:
   working directory, ``sys.path``, ``sys.stdout`` and ``sys.stderr`` (swapped or closed);
 * torch's grad mode (on), default dtype (float32) and default device, deterministic algorithms
   and anomaly detection (off), print options and thread count;
-* the cudnn flags: benchmark off; deterministic kernels on and TF32 off, so that GPU runs
-  repeat bit for bit (the one difference from a fresh interpreter);
+* float32 precision, in both of torch's APIs (``set_float32_matmul_precision`` and
+  ``allow_tf32``, and every ``fp32_precision``); the cudnn flags: benchmark off; deterministic
+  kernels on and TF32 off, so that GPU runs repeat bit for bit (the one difference from a fresh
+  interpreter);
 * fresh random seeds for torch, ``random`` and numpy, as a new process gets (seed inside
   ``fn`` for reproducible runs);
-* the warnings filters (and which warnings were already shown), signal handlers, the
-  recursion limit;
-* any function of ``builtins``, ``torch``, ``torch.distributed`` or ``torch.nn.functional``,
-  and any attribute of the classes in ``torch``, ``torch.nn``, ``torch.optim`` and
-  ``torch.distributed``, that a job replaced (``torch.Tensor.__add__`` monkeypatched).
+* the warnings filters (and which warnings were already shown), signal handlers, a pending
+  ``signal.alarm`` (cancelled), the recursion limit, the logging configuration (the root's and
+  every logger's level and handlers: ``basicConfig`` inside ``fn`` works every time);
+* file descriptors 1 and 2 (a job's ``os.close(1)``);
+* any function of :data:`_PATCHABLE`'s modules (``builtins``, ``torch``, ``torch.autograd``,
+  ``torch.nn.init``, ``torch.nn.functional``...), any attribute of the classes in ``torch``,
+  ``torch.nn``, ``torch.optim`` and ``torch.distributed``, that a job replaced
+  (``torch.Tensor.__add__`` monkeypatched), and the global module and optimizer hooks
+  (``register_module_forward_hook``);
+* a module of the user's own that ``fn`` is pickled from, edited since (and
+  ``importlib.reload``-ed in the notebook): imported again, so the ranks run the new code.
 
 What cannot be put back is a library's process-wide state. A job that imported one of
-:data:`STATEFUL_LIBRARIES`, or a module of the user's own from inside ``fn``, retires its
-workers (:func:`retiring_imports`): the launch says so in one line, and the next launch starts
-fresh interpreters, as every torchrun does. Not reset otherwise: other modules' globals, CUDA
+:data:`STATEFUL_LIBRARIES`, or a module of the user's own from inside ``fn`` (never a file
+under site-packages or the standard library), retires its workers (:func:`retiring_imports`);
+so does a call of ``torch.set_num_interop_threads``, which a process can make only once
+(:func:`retire_reasons`). The launch says so in one line, and the next launch starts fresh
+interpreters, as every torchrun does. Not reset otherwise: other modules' globals, CUDA
 state. ``gst.launch(..., reuse_workers=False)`` gives every launch fresh interpreters.
 
 Used by :mod:`gradsync_tutorial.launcher.worker` only, inside a worker process:
@@ -40,6 +50,7 @@ import os
 import random
 import signal
 import sys
+import types
 import warnings
 
 from gradsync_tutorial.launcher.protocol import Job
@@ -390,6 +401,12 @@ def _forget_edited_modules() -> None:
         if not unchanged:
             del _loaded_for_fn[name]
             sys.modules.pop(name, None)
+
+
+def users_own(module: types.ModuleType) -> bool:
+    """Is ``module`` a file of the user's own (not of an installed or the standard library)?"""
+    path = getattr(module, "__file__", None)
+    return isinstance(path, str) and not _installed_or_standard(path)
 
 
 def _installed_or_standard(path: str) -> bool:

@@ -16,6 +16,7 @@ Worker -> launcher: :class:`Finished`, :class:`Raised`, :class:`Ready`, :class:`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 #: What the launcher runs for each rank, ``python -m WORKER_MODULE`` (tests look for it too).
@@ -59,6 +60,15 @@ class Job(JobMessage):
     num_threads: int
     collective_timeout: float
     sources: dict[str, list[str]] = field(default_factory=dict)  # cell file -> its lines
+    # The level the notebook's logging shows (a cell's logging.basicConfig(level=logging.INFO)),
+    # read where the Job is made, in the notebook: a rank whose own logging drops records the
+    # notebook would show says why.
+    notebook_log_level: int = field(default_factory=lambda: _shown_level(logging.getLogger()))
+
+
+def _shown_level(root: logging.Logger) -> int:
+    """The lowest level ``root`` shows: its own, when it has a handler; else WARNING's."""
+    return root.level if root.handlers and root.level else logging.WARNING
 
 
 class Teardown(JobMessage):

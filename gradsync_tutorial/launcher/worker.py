@@ -167,7 +167,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         # Count the collectives fn enters: a hang report says how far each rank got.
         counter = CollectiveCounter(fn, *args, keep_arguments=False)
         before = set(sys.modules)
-        with counter, _no_launcher_inside():
+        with counter, _no_launcher_inside(), _unshown_logs(rank, job.notebook_log_level):
             if channel is not None:
                 channel.counter = counter
             result = fn(rank, world_size, *args)
@@ -263,6 +263,52 @@ def _no_launcher_inside():
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+UNSHOWN_LOGS = (
+    "fn logged {count} record(s) below WARNING that no handler showed (logger {first!r} first): "
+    "a logging.basicConfig in a notebook cell configures the notebook, not the ranks (each is a "
+    "process of its own, as under torchrun). Call logging.basicConfig(...) inside fn to see them."
+)
+
+
+@contextlib.contextmanager
+def _unshown_logs(rank: int, notebook_level: int):
+    """While ``fn`` runs: count the records of ``fn``'s own loggers that this rank's logging
+    drops because it was never configured (the root's fresh WARNING level) though the
+    notebook's would show them (``notebook_level``, INFO after a cell's basicConfig), and say
+    why on rank 0, once. Quiet otherwise."""
+    import logging
+
+    if notebook_level >= logging.root.level:
+        yield
+        return
+    enabled_for = logging.Logger.isEnabledFor
+    fresh_level = logging.root.level  # WARNING: logging.info() alone adds a handler, not a level
+    dropped: list[str] = []
+
+    def is_enabled_for(self, level):
+        enabled = enabled_for(self, level)
+        if (not enabled and notebook_level <= level and logging.root.level == fresh_level
+                and self.getEffectiveLevel() == fresh_level and _users_logger(self.name)):
+            dropped.append(self.name)
+        return enabled
+
+    logging.Logger.isEnabledFor = is_enabled_for
+    try:
+        yield
+    finally:
+        logging.Logger.isEnabledFor = enabled_for
+        if dropped and rank == 0:
+            print(UNSHOWN_LOGS.format(count=len(dropped), first=dropped[0]), file=sys.stderr)
+
+
+def _users_logger(name: str) -> bool:
+    """A logger of the user's code (the root, a cell's ``__main__``, a module of their own),
+    not a library's (torch logs at INFO that no one is meant to see)."""
+    top = name.partition(".")[0]
+    module = sys.modules.get(top)
+    return name in ("root", "__main__") or module is None or _fresh_state.users_own(module)
 
 
 def _pickle_notebook_objects_by_value() -> None:

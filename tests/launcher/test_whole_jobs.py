@@ -440,3 +440,36 @@ def test_datasets_switches_set_by_a_job_do_not_reach_the_next(tmp_path, monkeypa
 
     fresh, after = looks_fresh_after(no_cache, caching)
     assert after == fresh == [True, True]
+
+
+# -- (6) a cell's logging.basicConfig configures the notebook, not the ranks -------------------
+
+
+def test_records_a_notebook_s_logging_config_does_not_show_in_the_ranks_are_explained(capsys):
+    import logging
+
+    def progress(rank, world_size):
+        import logging
+
+        for step in range(3):
+            logging.getLogger("train").info("step %d", step)  # torchrun shows none either
+        logging.info("done")
+
+    def quiet(rank, world_size):
+        return rank
+
+    root, handler, level = logging.getLogger(), logging.StreamHandler(), logging.getLogger().level
+    root.addHandler(handler)  # what a cell's logging.basicConfig(level=logging.INFO) does
+    root.setLevel(logging.INFO)
+    try:
+        gst.launch(progress, world_size=2)
+        err = capsys.readouterr().err
+        assert err.count("configures the notebook, not the ranks") == 1  # rank 0 says it, once
+        assert "fn logged 4 record(s)" in err and "inside fn" in err
+        gst.launch(quiet, world_size=2)
+        assert "not the ranks" not in capsys.readouterr().err  # nothing was dropped: quiet
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    gst.launch(progress, world_size=2)
+    assert "not the ranks" not in capsys.readouterr().err  # the notebook shows no INFO either
