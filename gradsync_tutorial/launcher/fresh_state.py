@@ -65,7 +65,7 @@ def start_job(job: Job) -> None:
 
     _put_back_globals()
     _forget_edited_modules()
-    _watch_once_per_process()
+    _once_called.clear()
     put_back_descriptors()
     # Undo a previous job's swap (or close) of the streams.
     sys.stdout, sys.stderr = original_stream("stdout"), original_stream("stderr")
@@ -97,6 +97,7 @@ def remember() -> None:
     for name in _PATCHABLE:
         importlib.import_module(name)
     _course_precision()
+    _watch_once_per_process()  # before the snapshot: the watcher is what jobs find
     put_back_descriptors()  # the first call copies them
     _fresh["sys.path"] = list(sys.path)
     _fresh["sys.argv"] = list(sys.argv)
@@ -204,8 +205,9 @@ def _put_back_functions() -> None:
     registered in :data:`_HOOK_MODULES`' (emptied in place: their handles hold the dicts)."""
     for name, functions in _fresh["functions"].items():
         namespace = vars(sys.modules[name])
-        if functions.items() <= namespace.items():  # in C: nothing was rebound (~0.1 ms)
-            continue
+        with contextlib.suppress(Exception):  # (a replaced value whose == raises: it changed)
+            if functions.items() <= namespace.items():  # in C: nothing was rebound (~0.1 ms)
+                continue
         for attr, original in functions.items():
             if namespace.get(attr) is not original:
                 namespace[attr] = original
@@ -223,7 +225,7 @@ def _put_back_functions() -> None:
 
 def _put_back_logging() -> None:
     """The logging configuration a job set (``basicConfig``, a logger's level or handlers):
-    loggers as they were, and those a job created as ``getLogger`` makes them."""
+    loggers as they were, and those the user's code created as ``getLogger`` makes them."""
     import logging
 
     disable, loggers = _fresh["logging"]
@@ -231,6 +233,8 @@ def _put_back_logging() -> None:
     for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
         if not isinstance(logger, logging.Logger):
             continue
+        if logger not in loggers and _librarys_logger(logger.name):
+            continue  # made by a library at its first use (torch._dynamo's): its own
         level, handlers, propagate, disabled = loggers.get(
             logger, (logging.NOTSET, [], True, False))
         if logger.handlers != handlers:
@@ -238,6 +242,12 @@ def _put_back_logging() -> None:
         if logger.level != level:
             logger.setLevel(level)  # (clears the loggers' cached levels)
         logger.propagate, logger.disabled = propagate, disabled
+
+
+def _librarys_logger(name: str) -> bool:
+    """Is ``name`` the logger of an installed or a standard library (its top module's)?"""
+    module = sys.modules.get(name.partition(".")[0])
+    return module is not None and not users_own(module) and name != "__main__"
 
 
 def cancel_alarms() -> None:
@@ -350,18 +360,17 @@ _once_called: list[str] = []  # this job's calls of torch's once-per-process set
 def _watch_once_per_process() -> None:
     """Note a call of ``torch.set_num_interop_threads``: a process may call it once, so a
     worker where a job called it cannot run the next job that does (see :func:`retire_reasons`).
-    """
+    Installed once, at start-up."""
     import torch
 
-    _once_called.clear()
-    original = _fresh["functions"]["torch"]["set_num_interop_threads"]
+    original = torch.set_num_interop_threads
 
     @functools.wraps(original)
     def set_num_interop_threads(num: int) -> None:
         _once_called.append("torch.set_num_interop_threads")
         return original(num)
 
-    torch.set_num_interop_threads = set_num_interop_threads  # put back before the next job
+    torch.set_num_interop_threads = set_num_interop_threads
 
 
 def retire_reasons() -> tuple[str, ...]:
@@ -444,14 +453,19 @@ def put_back_descriptors() -> None:
             with contextlib.suppress(OSError):
                 _descriptors[fd] = os.dup(fd)  # not inherited by programs a job starts
             continue
-        saved = os.fstat(_descriptors[fd])
+        try:
+            saved = os.fstat(_descriptors[fd])
+        except OSError:  # a job closed the copy too (os.closerange): nothing to put back
+            del _descriptors[fd]
+            continue
         try:
             now = os.fstat(fd)
             same = (now.st_dev, now.st_ino) == (saved.st_dev, saved.st_ino)
         except OSError:  # closed
             same = False
         if not same:
-            os.dup2(_descriptors[fd], fd)
+            with contextlib.suppress(OSError):
+                os.dup2(_descriptors[fd], fd)
 
 
 def original_stream(name: str) -> io.TextIOBase | None:
