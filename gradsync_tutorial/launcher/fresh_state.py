@@ -229,7 +229,8 @@ def _put_back_logging() -> None:
     import logging
 
     disable, loggers = _fresh["logging"]
-    logging.disable(disable)
+    if logging.root.manager.disable != disable:  # (each call clears every logger's cache)
+        logging.disable(disable)
     for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
         if not isinstance(logger, logging.Logger):
             continue
