@@ -80,6 +80,12 @@ class JobState:
         self.stderr_tail = collections.defaultdict(lambda: collections.deque(maxlen=12))
         # Libraries the job imported that may keep process-wide state: retire these workers.
         self.imported: set[str] = set()
+        self.retire: set[str] = set()  # what else the job did that no reset undoes
+
+    @property
+    def retiring(self) -> bool:
+        """Must these workers be retired after the job (not given back to the idle pool)?"""
+        return bool(self.imported or self.retire)
 
     def fail(self, failure: Failure) -> None:
         if failure.rank not in self.failures:
@@ -92,6 +98,7 @@ class JobState:
             self.results[rank] = message.result
             self.collectives[rank] = message.collectives
             self.imported.update(message.imported)
+            self.retire.update(message.retire)
         elif isinstance(message, Raised):
             self.fail(Failure(
                 rank, "raised", exc_type=message.exc_type, message=message.message,

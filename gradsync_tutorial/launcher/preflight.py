@@ -79,6 +79,34 @@ def _open_descriptors() -> int:
     return 64
 
 
+THREADS_PER_CORE = 64  # the most OMP_NUM_THREADS a rank is given per core of this machine
+
+
+def check_omp_num_threads(value: str) -> None:
+    """Refuse an ``OMP_NUM_THREADS`` that each rank would take as its thread count but cannot
+    use: digits that are not ASCII (``'²'``), or more threads than the machine could run (a
+    20-digit value). Anything else that is not a number is ignored, as torch ignores it.
+
+        >>> check_omp_num_threads("4"), check_omp_num_threads("not a number")
+        (None, None)
+        >>> check_omp_num_threads("²")
+        Traceback (most recent call last):
+        ValueError: OMP_NUM_THREADS='²' in this process's environment is not a number of ...
+    """
+    value = value.strip()
+    if not value.isdigit():
+        return
+    limit = THREADS_PER_CORE * cpu_count()
+    if value.isascii() and 0 <= int(value) <= limit:
+        return
+    raise ValueError(
+        f"OMP_NUM_THREADS={value[:30]!r} in this process's environment is not a number of "
+        f"threads a rank can use (gst.launch gives it to each rank as its thread count). Set "
+        f"it to a whole number from 1 to {limit} in the digits 0-9, such as "
+        f"os.environ['OMP_NUM_THREADS'] = '1', or remove it (del os.environ['OMP_NUM_THREADS']: "
+        "each rank then gets CPU cores // world_size), or pass num_threads=.")
+
+
 def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
     require_int(world_size, "world_size", what="the number of ranks", hint="Try world_size=2.")
     limit, why = max_world_size()
@@ -117,6 +145,8 @@ def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, 
         require_int(num_threads, "num_threads", what="torch threads per rank",
                     hint="Leave num_threads=None for OMP_NUM_THREADS if set, else CPU cores // "
                          "world_size.")
+    else:
+        check_omp_num_threads(os.environ.get("OMP_NUM_THREADS", ""))
     if show_ranks is not None:
         bad = [r for r in show_ranks
                if isinstance(r, bool) or not isinstance(r, int) or r not in range(world_size)]

@@ -16,6 +16,7 @@ Worker -> launcher: :class:`Finished`, :class:`Raised`, :class:`Ready`, :class:`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 #: What the launcher runs for each rank, ``python -m WORKER_MODULE`` (tests look for it too).
@@ -59,6 +60,15 @@ class Job(JobMessage):
     num_threads: int
     collective_timeout: float
     sources: dict[str, list[str]] = field(default_factory=dict)  # cell file -> its lines
+    # The level the notebook's logging shows (a cell's logging.basicConfig(level=logging.INFO)),
+    # read where the Job is made, in the notebook: a rank whose own logging drops records the
+    # notebook would show says why.
+    notebook_log_level: int = field(default_factory=lambda: _shown_level(logging.getLogger()))
+
+
+def _shown_level(root: logging.Logger) -> int:
+    """The lowest level ``root`` shows: its own, when it has a handler; else WARNING's."""
+    return root.level if root.handlers and root.level else logging.WARNING
 
 
 class Teardown(JobMessage):
@@ -82,6 +92,9 @@ class Finished(JobMessage):
     # What the job imported that a fresh interpreter would not have (a library that keeps
     # process-wide state, a module of the user's own): the launcher retires these workers.
     imported: tuple[str, ...] = ()
+    # What the job did that no reset undoes, in words ("fn called torch.set_num_interop_threads,
+    # which a process can call only once"): the launcher retires these workers too.
+    retire: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -47,27 +47,10 @@ start, or while a failure is reported, stops them too. The rendezvous store list
 
 What a reused worker puts back before each job
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A job on a warm worker starts as it would in a fresh interpreter, as far as global state that
-training code commonly changes goes: the environment (the notebook's, plus torchrun's
-variables), ``sys.argv``, the working directory, ``sys.path``, ``sys.stdout``/``sys.stderr``;
-torch's grad mode (on), default dtype (float32) and default device, deterministic algorithms and
-anomaly detection (off), cudnn flags (benchmark off; deterministic kernels on and TF32 off, so
-that GPU runs repeat bit for bit: the one difference from a fresh interpreter), print options
-and thread count; fresh random seeds for torch, ``random`` and numpy (as a new process gets:
-seed inside ``fn`` for reproducible runs); the warnings filters (and which warnings were already
-shown); signal handlers; the recursion limit; any function of ``builtins``, ``torch``,
-``torch.distributed`` or ``torch.nn.functional`` and any attribute of the classes in ``torch``,
-``torch.nn``, ``torch.optim`` and ``torch.distributed`` that a job replaced
-(``torch.Tensor.__add__`` monkeypatched).
-
-What cannot be put back is a library's process-wide state, so a job that imported one of
-:data:`~gradsync_tutorial.launcher.worker.STATEFUL_LIBRARIES` (Accelerate, Lightning, DeepSpeed,
-...), or a module of the user's own from inside ``fn``, retires its workers: the launch says so
-in one line, and the next launch starts fresh interpreters, as every torchrun does. Threads
-a job left running (a background save) are waited for before the rank returns, as a process
-waits for them before it exits (a thread pool's idle threads excepted). Not reset otherwise:
-other modules' globals, CUDA state.
-``reuse_workers=False`` gives every launch fresh interpreters.
+A job on a warm worker starts as it would in a fresh interpreter: the list of what is put back,
+and of what retires a worker instead, is :mod:`gradsync_tutorial.launcher.fresh_state`'s
+docstring. Threads a job left running (a background save) are waited for before the rank
+returns, as a process waits for them before it exits (a thread pool's idle threads excepted).
 
 Platforms
 ~~~~~~~~~
@@ -207,8 +190,8 @@ def launch(
             # that imported a library with process-wide state needs no teardown: its workers
             # are retired.
             workers.tear_down(state, OUTPUT_IDLE_SECONDS, max(timeout, TEARDOWN_SECONDS),
-                              destroy_groups=not state.imported)
-            if state.imported and not state.failures:
+                              destroy_groups=not state.retiring)
+            if state.retiring and not state.failures:
                 workers.stop_despite_interrupts()  # while the store is up, as on a failure
         if state.failures:  # in the job or its teardown. Stop every rank while the store is
             # up: a rank still joining the rendezvous would print torch's C++ "closed" dump
@@ -232,8 +215,8 @@ def launch(
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
         raise shown_from_caller(error) from error.__cause__
-    if state.imported:
-        _say_retired(state.imported, reuse_workers)
+    if state.retiring:
+        _say_retired(state.imported, reuse_workers, state.retire)
     else:
         _give_back(workers, reuse_workers)
     results, error = state.rebuilt_results(world_size)
@@ -242,15 +225,20 @@ def launch(
     return results
 
 
-def _say_retired(imported: set[str], reuse: bool) -> None:
-    """A job imported libraries that may keep process-wide state: say, in one line, that its
-    workers were retired (the next launch starts fresh ones, as torchrun starts every run)."""
-    if reuse:
+def _say_retired(imported: set[str], reuse: bool, reasons: Iterable[str] = ()) -> None:
+    """A job imported libraries that may keep process-wide state (or did what no reset undoes,
+    ``reasons``): say, in one line, that its workers were retired (the next launch starts fresh
+    ones, as torchrun starts every run)."""
+    if not reuse:
+        return
+    why = sorted(reasons)
+    if imported:
         names = ", ".join(sorted(imported)[:4]) + (", ..." if len(imported) > 4 else "")
-        print(f"gst.launch: fn imported {names}, which may keep process-wide state (such as "
-              "Accelerate's AcceleratorState), so these workers were retired: the next launch "
-              "starts fresh ones (a few seconds). reuse_workers=False says so up front.",
-              file=sys.stderr, flush=True)
+        why.insert(0, f"fn imported {names}, which may keep process-wide state (such as "
+                   "Accelerate's AcceleratorState)")
+    print(f"gst.launch: {'; '.join(why)}, so these workers were retired: the next launch "
+          "starts fresh ones (a few seconds). reuse_workers=False says so up front.",
+          file=sys.stderr, flush=True)
 
 
 # -- the idle pool, kept between launches ------------------------------------------------------

@@ -14,20 +14,18 @@ On Linux a parent-death signal backs it up (a rank stuck in C code that holds th
 read its socket), and every process the rank forks from Python gets one too.
 
 A warm worker runs many jobs, so before each one it puts back what a fresh interpreter has
-(:func:`_reset_globals`; the list is in the launcher's docstring).
+(:mod:`gradsync_tutorial.launcher.fresh_state`, where the list is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import io
 import linecache
 import os
 import pickle
 import queue
-import random
 import re
 import signal
 import socket
@@ -35,11 +33,11 @@ import sys
 import threading
 import traceback
 import types
-import warnings
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from gradsync_tutorial.launcher import cells as _cells
+from gradsync_tutorial.launcher import fresh_state as _fresh_state
 from gradsync_tutorial.launcher import hang_report as _where
 from gradsync_tutorial.launcher import own_group as _own_group
 from gradsync_tutorial.launcher.protocol import (
@@ -107,14 +105,17 @@ def _end_of_job(job_id: int) -> None:
     """Flush both streams and mark the end of this job's output on each.
 
     The marks go to the original streams, in case ``fn`` replaced ``sys.stdout``; one that
-    ``fn`` closed is opened again on its file descriptor (which ``close()`` leaves open).
+    ``fn`` closed is opened again on its file descriptor (which ``close()`` leaves open), and a
+    descriptor ``fn`` closed or redirected is put back first.
     """
+    _fresh_state.cancel_alarms()  # a job's alarm must not end the worker while it waits
+    _fresh_state.put_back_descriptors()
     for name in ("stdout", "stderr"):
         try:
             getattr(sys, name).flush()
         except Exception:  # noqa: BLE001 - a stream fn closed or broke
             pass
-        original = _original_stream(name)
+        original = _fresh_state.original_stream(name)
         if original is None:  # fn closed the descriptor itself: the launcher sees its EOF
             continue
         # Its own line even after text printed without a newline (the launcher splits it off).
@@ -124,23 +125,6 @@ def _end_of_job(job_id: int) -> None:
         except (OSError, ValueError):
             pass
 
-
-def _original_stream(name: str):
-    """``sys.__stdout__`` (or ``__stderr__``), opened again if a job closed it; None if its
-    file descriptor itself is gone."""
-    stream = getattr(sys, f"__{name}__")
-    if stream is not None and not stream.closed:
-        return stream
-    fd = 1 if name == "stdout" else 2
-    try:
-        os.fstat(fd)
-    except OSError:
-        return None
-    stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
-                              errors="backslashreplace", line_buffering=True,
-                              write_through=True)
-    setattr(sys, f"__{name}__", stream)
-    return stream
 
 
 def _join_group(job: Job) -> None:
@@ -160,7 +144,6 @@ def _join_group(job: Job) -> None:
 def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     """Run one job; return the message for the launcher. Never raises."""
     import cloudpickle
-    import torch
 
     from gradsync_tutorial.detect import CollectiveCounter
 
@@ -168,17 +151,9 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     before = set(sys.modules)
     threads_before = {t.ident for t in threading.enumerate()}
     try:
-        _reset_globals()
-        # Undo a previous job's swap (or close) of the streams.
-        sys.stdout, sys.stderr = _original_stream("stdout"), _original_stream("stderr")
-        os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
-        os.environ.update(job.env, PYTHONUNBUFFERED="1")
-        if job.cwd and os.path.isdir(job.cwd):
-            os.chdir(job.cwd)
-        sys.path[:] = job.sys_path + [p for p in _fresh["sys.path"] if p not in job.sys_path]
+        _fresh_state.start_job(job)  # the environment, sys.path, torch's modes... as fresh
         for filename, lines in job.sources.items():  # notebook cells: tracebacks show the line
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        torch.set_num_threads(job.num_threads)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _join_group(job)
         # fn may call init_process_group itself, as torchrun scripts do: see _own_group.
@@ -186,11 +161,13 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         # finds this one too.
         _own_group.install(rank, world_size, os.environ["MASTER_ADDR"],
                            int(os.environ["MASTER_PORT"]))
+        before = set(sys.modules)
         fn, args = cloudpickle.loads(job.payload)
+        _fresh_state.note_loaded_for_fn(before)
         # Count the collectives fn enters: a hang report says how far each rank got.
         counter = CollectiveCounter(fn, *args, keep_arguments=False)
         before = set(sys.modules)
-        with counter, _no_launcher_inside():
+        with counter, _no_launcher_inside(), _unshown_logs(rank, job.notebook_log_level):
             if channel is not None:
                 channel.counter = counter
             result = fn(rank, world_size, *args)
@@ -207,7 +184,7 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
     try:
         result = _unwrap_ddp(result)
         return Finished(job.job_id, _dumps_result(result), counter.total,
-                        _stateful_imports(before))
+                        _fresh_state.retiring_imports(before), _fresh_state.retire_reasons())
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
@@ -250,163 +227,6 @@ def _idle_pool_thread(thread: threading.Thread) -> bool:
             and work_queue is not None and work_queue.empty())
 
 
-# -- what a fresh interpreter has, put back before every job ----------------------------------
-
-# Modules whose functions notebooks (and tests) monkeypatch; a rebound function is put back.
-_PATCHABLE = ("builtins", "torch", "torch.distributed", "torch.nn.functional")
-_fresh: dict = {}
-
-
-def _remember_fresh_state() -> None:
-    """Called once, before the first job: the state :func:`_reset_globals` puts back."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.nn.functional  # noqa: F401
-
-    _fresh["sys.path"] = list(sys.path)
-    _fresh["sys.argv"] = list(sys.argv)
-    _fresh["classes"] = {cls: dict(vars(cls)) for cls in _patchable_classes()}
-    _fresh["warnings"] = list(warnings.filters)
-    _fresh["recursionlimit"] = sys.getrecursionlimit()
-    _fresh["signals"] = {s: signal.getsignal(s) for s in signal.valid_signals()
-                         if signal.getsignal(s) is not None}
-    _fresh["functions"] = {
-        name: {k: v for k, v in vars(sys.modules[name]).items() if callable(v)}
-        for name in _PATCHABLE
-    }
-
-
-def _reset_globals() -> None:
-    """Undo what a previous job may have changed in this process's global state."""
-    import torch
-
-    torch.set_grad_enabled(True)
-    torch.set_default_dtype(torch.float32)
-    if hasattr(torch, "set_default_device"):
-        torch.set_default_device(None)
-    if torch.are_deterministic_algorithms_enabled():  # the call itself costs seconds at first
-        torch.use_deterministic_algorithms(False)
-    torch.autograd.set_detect_anomaly(False)
-    torch.set_printoptions(profile="default")
-    torch.backends.cudnn.benchmark = False
-    # Not a fresh interpreter's (False, True): GPU runs that repeat bit for bit, in float32, as
-    # the notebooks' checks need (the scripts set the same; CPUs ignore both).
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.allow_tf32 = True, False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    # Fresh random state, as a new interpreter gets (fn seeds it itself for reproducibility).
-    # Not torch.seed(): on a machine without CUDA it queues a call for each accelerator type
-    # (with its stack) that runs only if one is ever initialized, every job.
-    torch.default_generator.seed()
-    if torch.cuda.is_initialized():
-        torch.cuda.seed_all()
-    random.seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    warnings.filters[:] = _fresh["warnings"]
-    if hasattr(warnings, "_filters_mutated"):
-        warnings._filters_mutated()  # forget which warnings were already shown once
-    sys.setrecursionlimit(_fresh["recursionlimit"])
-    for sig, handler in _fresh["signals"].items():
-        if signal.getsignal(sig) is not handler:
-            try:
-                signal.signal(sig, handler)
-            except (OSError, ValueError, TypeError):
-                pass
-    for name, functions in _fresh["functions"].items():
-        namespace = vars(sys.modules[name])
-        for attr, original in functions.items():
-            if namespace.get(attr) is not original:
-                namespace[attr] = original
-    sys.argv = list(_fresh["sys.argv"])  # a job's argparse setup (sys.argv = [...]) is forgotten
-    _restore_classes(_fresh["classes"])
-
-
-# The classes whose attributes jobs monkeypatch (torch.Tensor.__add__, nn.Module.__call__,
-# nn.Linear.forward, an optimizer's step): every class in these modules' namespaces.
-_CLASS_MODULES = ("torch", "torch.nn", "torch.nn.functional", "torch.optim", "torch.distributed")
-# Where a job's *new* attributes are removed too (elsewhere torch itself may add some lazily).
-_CLOSED_CLASSES = ("Tensor", "Module", "Parameter")
-
-
-def _patchable_classes() -> list[type]:
-    import torch.nn  # noqa: F401
-    import torch.optim  # noqa: F401
-
-    found = {}
-    with warnings.catch_warnings():  # torch.distributed.reduce_op warns when looked at
-        warnings.simplefilter("ignore")
-        for name in _CLASS_MODULES:
-            for value in list(vars(sys.modules[name]).values()):
-                if isinstance(value, type) and str(vars(value).get("__module__", "")
-                                                   ).startswith("torch"):
-                    found[id(value)] = value
-    return list(found.values())
-
-
-def _restore_classes(fresh: dict[type, dict]) -> None:
-    """Put back every attribute a job replaced or deleted on torch's classes.
-
-    Comparing each class's dict with its copy runs in C and matches identical values by
-    identity first: about 0.2 ms for the ~360 classes, when nothing changed."""
-    for cls, attributes in fresh.items():
-        current = vars(cls)
-        try:
-            if current == attributes:
-                continue
-        except Exception:  # noqa: BLE001 - a replaced value whose == raises: it changed
-            pass
-        for k, v in attributes.items():
-            if current.get(k, _MISSING) is not v:
-                setattr(cls, k, v)
-        if cls.__name__ in _CLOSED_CLASSES:
-            for k in [k for k in current if k not in attributes]:
-                delattr(cls, k)
-
-
-_MISSING = object()
-
-
-# -- libraries with process-wide state: a job that imported one retires its workers -----------
-
-# Libraries that keep a process-wide state a later job would inherit (Accelerate's
-# AcceleratorState and PartialState, Lightning's and DeepSpeed's launch state, ...): after a job
-# that imported one, its workers are retired, as if each launch were a new torchrun.
-STATEFUL_LIBRARIES = ("accelerate", "lightning", "lightning_fabric", "pytorch_lightning",
-                      "deepspeed", "transformers", "colossalai", "horovod", "ray", "mpi4py")
-
-
-def _stateful_imports(before: set[str]) -> tuple[str, ...]:
-    """What this job loaded that a fresh interpreter would not have: a library of
-    :data:`STATEFUL_LIBRARIES`, or a module of the user's own that ``fn`` imported while it ran
-    (not from an installed distribution, the standard library or the course's package: a file
-    next to the notebook, perhaps edited since, perhaps holding a singleton).
-
-    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted;
-    nor are other installed libraries (tqdm, pandas...): a warm start is worth more there, and
-    ``gst.shutdown_workers()`` starts afresh. ``before``: ``sys.modules``' names before fn ran.
-    """
-    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules}
-    if len(sys.modules) != len(before):
-        new = {name.partition(".")[0] for name in list(sys.modules) if name not in before}
-        found |= {m for m in new if m not in sys.stdlib_module_names and m != "gradsync_tutorial"
-                  and _from_a_file(m) and m not in _distributions()}
-    return tuple(sorted(found))
-
-
-def _from_a_file(name: str) -> bool:
-    """A module of its own on disk: not ``__main__``, nor a module a compiled extension makes
-    for itself (Cython's ``_cython_3_2_4``), which belongs to whoever imported it."""
-    module = sys.modules.get(name)
-    return not name.startswith("__") and bool(
-        getattr(module, "__file__", None) or getattr(module, "__path__", None))
-
-
-@functools.lru_cache(maxsize=1)
-def _distributions() -> dict:
-    """Top-level module -> the installed distributions that provide it (read once, lazily)."""
-    from importlib.metadata import packages_distributions
-
-    return packages_distributions()
 
 
 LAUNCHER_INSIDE = (
@@ -443,6 +263,52 @@ def _no_launcher_inside():
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+UNSHOWN_LOGS = (
+    "fn logged {count} record(s) below WARNING that no handler showed (logger {first!r} first): "
+    "a logging.basicConfig in a notebook cell configures the notebook, not the ranks (each is a "
+    "process of its own, as under torchrun). Call logging.basicConfig(...) inside fn to see them."
+)
+
+
+@contextlib.contextmanager
+def _unshown_logs(rank: int, notebook_level: int):
+    """While ``fn`` runs: count the records of ``fn``'s own loggers that this rank's logging
+    drops because it was never configured (the root's fresh WARNING level) though the
+    notebook's would show them (``notebook_level``, INFO after a cell's basicConfig), and say
+    why on rank 0, once. Quiet otherwise."""
+    import logging
+
+    if notebook_level >= logging.root.level:
+        yield
+        return
+    enabled_for = logging.Logger.isEnabledFor
+    fresh_level = logging.root.level  # WARNING: logging.info() alone adds a handler, not a level
+    dropped: list[str] = []
+
+    def is_enabled_for(self, level):
+        enabled = enabled_for(self, level)
+        if (not enabled and notebook_level <= level and logging.root.level == fresh_level
+                and self.getEffectiveLevel() == fresh_level and _users_logger(self.name)):
+            dropped.append(self.name)
+        return enabled
+
+    logging.Logger.isEnabledFor = is_enabled_for
+    try:
+        yield
+    finally:
+        logging.Logger.isEnabledFor = enabled_for
+        if dropped and rank == 0:
+            print(UNSHOWN_LOGS.format(count=len(dropped), first=dropped[0]), file=sys.stderr)
+
+
+def _users_logger(name: str) -> bool:
+    """A logger of the user's code (the root, a cell's ``__main__``, a module of their own),
+    not a library's (torch logs at INFO that no one is meant to see)."""
+    top = name.partition(".")[0]
+    module = sys.modules.get(top)
+    return name in ("root", "__main__") or module is None or _fresh_state.users_own(module)
 
 
 def _pickle_notebook_objects_by_value() -> None:
@@ -679,7 +545,7 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     _pickle_notebook_objects_by_value()
-    _remember_fresh_state()
+    _fresh_state.remember()
     channel = _Channel(_connect())
     inbox: queue.Queue = queue.Queue()
 

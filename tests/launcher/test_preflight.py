@@ -68,3 +68,13 @@ def test_master_port_0_is_accepted_and_picks_a_free_port_as_none_does():
     """The message says 0 is accepted: it is, and it means what None means."""
     ports = gst.launch(lambda rank, world_size: int(os.environ["MASTER_PORT"]), 2, master_port=0)
     assert ports[0] == ports[1] > 0
+
+
+@pytest.mark.parametrize("value", ["²", "1" * 20])
+def test_an_omp_num_threads_no_rank_can_use_is_refused_saying_what_to_set(monkeypatch, value):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"OMP_NUM_THREADS=.*Set it to a whole number from 1 to"):
+        gst.launch(_ok, world_size=2)
+    assert time.monotonic() - start < 1.0
+    assert worker_pids() == []

@@ -178,3 +178,298 @@ def test_a_thread_that_never_ends_is_named_at_the_timeout():
     with pytest.raises(gst.LaunchTimeoutError) as caught:
         gst.launch(fn, world_size=2, timeout=5)
     assert "'never-ending'" in str(caught.value) and "in forever" in str(caught.value)
+
+
+# -- (4) a job on warm workers sees what a fresh process would: nothing of the job before ------
+
+
+def looks_fresh_after(leak, look, **launch):
+    """``look``'s answer on fresh workers, then after ``leak`` ran on them: (fresh, after)."""
+    fresh = gst.launch(look, world_size=2, **launch)
+    gst.launch(leak, world_size=2, **launch)
+    return fresh, gst.launch(look, world_size=2, **launch)
+
+
+def precision_flags(rank, world_size):
+    """Every float32-precision flag torch has, old API and new (an error read as its text)."""
+    import torch
+
+    backends = torch.backends
+    read = {
+        "matmul precision": torch.get_float32_matmul_precision,
+        "cudnn.allow_tf32": lambda: backends.cudnn.allow_tf32,
+        "cuda.matmul.allow_tf32": lambda: backends.cuda.matmul.allow_tf32,
+        **{f"{name}.fp32_precision": (lambda o=o: o.fp32_precision) for name, o in [
+            ("backends", backends), ("cuda.matmul", backends.cuda.matmul),
+            ("cudnn.conv", backends.cudnn.conv), ("cudnn.rnn", backends.cudnn.rnn),
+            ("mkldnn.matmul", backends.mkldnn.matmul)]},
+    }
+    flags = {}
+    for name, get in read.items():
+        try:
+            flags[name] = get()
+        except RuntimeError as e:
+            flags[name] = f"raised {str(e)[:60]}"
+    return flags
+
+
+def test_a_job_s_matmul_precision_does_not_reach_the_next_and_reads_without_error():
+    def medium(rank, world_size):
+        import torch
+
+        torch.set_float32_matmul_precision("medium")  # float32 matmuls in bfloat16 from here
+        torch.backends.cudnn.allow_tf32 = True  # the old API, mixed in
+
+    fresh, after = looks_fresh_after(medium, precision_flags)
+    assert after == fresh
+    assert fresh[0]["matmul precision"] == "highest"  # read without "mix of the legacy and new"
+
+
+def test_a_pending_alarm_does_not_reach_the_next_job():
+    def arm(rank, world_size):
+        import signal
+
+        signal.alarm(1)  # fn's own watchdog, never cancelled: SIGALRM kills a fresh process...
+
+    def slow(rank, world_size):
+        import signal
+        import time
+
+        time.sleep(2)  # ...but this is another job, started after it
+        return signal.alarm(0)
+
+    gst.launch(arm, world_size=2)
+    assert gst.launch(slow, world_size=2) == [0, 0]
+
+
+def test_a_worker_that_set_its_interop_threads_is_not_reused():
+    def interop(rank, world_size):
+        import torch
+
+        torch.set_num_interop_threads(2)  # once per process: a second call raises
+        return torch.get_num_interop_threads()
+
+    assert gst.launch(interop, world_size=2) == [2, 2]
+    assert gst.launch(interop, world_size=2) == [2, 2]  # fresh workers, as a second torchrun
+
+
+def test_functions_patched_in_torch_autograd_and_nn_init_are_put_back():
+    def patch(rank, world_size):
+        import torch
+
+        zeros = torch.nn.init.zeros_
+        torch.nn.init.kaiming_uniform_ = lambda tensor, *args, **kwargs: zeros(tensor)
+        torch.autograd.backward = lambda *args, **kwargs: None
+
+    def look(rank, world_size):
+        import torch
+
+        return (torch.nn.init.kaiming_uniform_.__module__, torch.autograd.backward.__module__,
+                bool(torch.nn.Linear(4, 4).weight.abs().sum() > 0))
+
+    fresh, after = looks_fresh_after(patch, look)
+    assert after == fresh == [("torch.nn.init", "torch.autograd", True)] * 2
+
+
+def test_a_global_module_hook_does_not_reach_the_next_job():
+    def hook(rank, world_size):
+        import importlib
+
+        import torch
+
+        def zero(module, inputs, output):
+            return output * 0
+
+        torch.nn.modules.module.register_module_forward_hook(zero)
+        torch.nn.modules.module.register_module_forward_pre_hook(lambda module, inputs: None)
+        importlib.import_module("torch.optim.optimizer").register_optimizer_step_pre_hook(
+            lambda *args: None)
+
+    def look(rank, world_size):
+        import importlib
+
+        import torch
+
+        torch.manual_seed(0)
+        hooks = [len(getattr(torch.nn.modules.module, name)) for name in (
+            "_global_forward_hooks", "_global_forward_pre_hooks")]
+        hooks.append(len(importlib.import_module("torch.optim.optimizer")._global_optimizer_pre_hooks))
+        return hooks, torch.nn.Linear(2, 2)(torch.ones(2)).abs().sum().item() > 0
+
+    fresh, after = looks_fresh_after(hook, look)
+    assert after == fresh == [([0, 0, 0], True)] * 2
+
+
+def test_logging_configured_inside_fn_does_not_reach_the_next_job():
+    def configure(version):
+        def fn(rank, world_size):
+            import logging
+
+            logging.basicConfig(level=logging.DEBUG, format=f"{version} %(message)s")
+            logging.getLogger("train").setLevel(logging.ERROR)
+            root = logging.getLogger()
+            return [h.formatter._fmt for h in root.handlers], root.level
+        return fn
+
+    def look(rank, world_size):
+        import logging
+
+        root = logging.getLogger()
+        return len(root.handlers), root.level, logging.getLogger("train").level
+
+    fresh, after = looks_fresh_after(configure("v1"), look)
+    assert after == fresh
+    # An edited format is the one used, as in a fresh process (basicConfig once per process).
+    assert gst.launch(configure("v2"), world_size=2) == [(["v2 %(message)s"], 10)] * 2
+
+
+def test_a_function_of_the_user_s_own_module_runs_as_edited_and_reloaded(tmp_path, monkeypatch):
+    import importlib
+    import os
+    import sys
+
+    module = tmp_path / "my_training.py"
+    module.write_text("def train(rank, world_size):\n    return 'v1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_training", raising=False)
+    my_training = importlib.import_module("my_training")
+    assert gst.launch(my_training.train, world_size=2) == ["v1", "v1"]
+
+    module.write_text("def train(rank, world_size):\n    return 'v2'\n")  # edited, same size
+    stat = module.stat()
+    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000_000))
+    importlib.reload(my_training)  # what the notebook does after an edit
+    assert gst.launch(my_training.train, world_size=2) == ["v2", "v2"]
+
+
+def test_a_job_that_closed_its_standard_output_leaves_the_next_launches_fast_and_heard(capsys):
+    import time
+
+    def close_stdout(rank, world_size):
+        import os
+
+        os.close(1)  # a C library's clean-up, say: the rank's prints are lost from here
+
+    def hello(rank, world_size):
+        print(f"hello from rank {rank}")
+
+    gst.launch(close_stdout, world_size=2)
+    for _ in range(2):
+        start = time.monotonic()
+        gst.launch(hello, world_size=2)
+        assert time.monotonic() - start < 3  # not the 5 s wait for an end mark that never came
+    out = capsys.readouterr().out
+    assert out.count("hello from rank 0") == out.count("hello from rank 1") == 2
+
+
+def installed_library(site, name: str, code: str, files: dict[str, str] | None = None):
+    """A library ``name`` installed under ``site`` (a folder named site-packages), with its
+    ``.dist-info`` as pip writes it."""
+    (site / name).mkdir(parents=True)
+    (site / name / "__init__.py").write_text(code)
+    for path, text in (files or {}).items():
+        (site / name / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / name / path).write_text(text)
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text(f"{name}\n")
+
+
+# A library whose compiled part registers a top-level helper module (pandas' _cyutility).
+WITH_A_HELPER_MODULE = """
+import importlib.util, pathlib, sys
+_path = pathlib.Path(__file__).parent / "_libs" / "_cyutility_fake.py"
+_spec = importlib.util.spec_from_file_location("_cyutility_fake", _path)
+sys.modules["_cyutility_fake"] = _module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+"""
+
+
+def test_an_installed_library_s_helper_module_does_not_retire_the_workers(
+        tmp_path, monkeypatch, capsys):
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "fakepandas", WITH_A_HELPER_MODULE,
+                      {"_libs/_cyutility_fake.py": "X = 1\n"})
+    monkeypatch.syspath_prepend(str(site))
+
+    def uses_the_library(rank, world_size):
+        import os
+
+        import fakepandas  # noqa: F401
+        return os.getpid()
+
+    def also_a_stateful_one(rank, world_size):
+        import fakepandas  # noqa: F401
+
+        from tests.programs import stateful_library  # noqa: F401
+
+    first = gst.launch(uses_the_library, world_size=2)
+    assert gst.launch(uses_the_library, world_size=2) == first  # kept warm
+    assert "retired" not in capsys.readouterr().err
+    gst.launch(also_a_stateful_one, world_size=2)
+    note = capsys.readouterr().err
+    assert "fn imported tests," in note and "fake" not in note  # only what the job imported
+
+
+DATASETS_SWITCHES = """
+_caching = True
+def disable_caching():
+    global _caching
+    _caching = False
+def is_caching_enabled():
+    return _caching
+"""
+
+
+def test_datasets_switches_set_by_a_job_do_not_reach_the_next(tmp_path, monkeypatch):
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "datasets", DATASETS_SWITCHES)  # its process-wide switches
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delitem(__import__("sys").modules, "datasets", raising=False)
+
+    def no_cache(rank, world_size):
+        import datasets
+
+        datasets.disable_caching()
+
+    def caching(rank, world_size):
+        import datasets
+
+        return datasets.is_caching_enabled()
+
+    fresh, after = looks_fresh_after(no_cache, caching)
+    assert after == fresh == [True, True]
+
+
+# -- (6) a cell's logging.basicConfig configures the notebook, not the ranks -------------------
+
+
+def test_records_a_notebook_s_logging_config_does_not_show_in_the_ranks_are_explained(capsys):
+    import logging
+
+    def progress(rank, world_size):
+        import logging
+
+        for step in range(3):
+            logging.getLogger("train").info("step %d", step)  # torchrun shows none either
+        logging.info("done")
+
+    def quiet(rank, world_size):
+        return rank
+
+    root, handler, level = logging.getLogger(), logging.StreamHandler(), logging.getLogger().level
+    root.addHandler(handler)  # what a cell's logging.basicConfig(level=logging.INFO) does
+    root.setLevel(logging.INFO)
+    try:
+        gst.launch(progress, world_size=2)
+        err = capsys.readouterr().err
+        assert err.count("configures the notebook, not the ranks") == 1  # rank 0 says it, once
+        assert "fn logged 4 record(s)" in err and "inside fn" in err
+        gst.launch(quiet, world_size=2)
+        assert "not the ranks" not in capsys.readouterr().err  # nothing was dropped: quiet
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    gst.launch(progress, world_size=2)
+    assert "not the ranks" not in capsys.readouterr().err  # the notebook shows no INFO either
