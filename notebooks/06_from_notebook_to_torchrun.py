@@ -502,6 +502,9 @@ print("without @record, the summary has no traceback: the error is only in the w
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.distributed.elastic.multiprocessing.errors import record

@@ -984,6 +984,9 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # import torch
 # import torch.distributed as dist
 # import torch.distributed.checkpoint as dcp
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
