@@ -2,7 +2,7 @@
 parallelism, and its gradients reduced right: experts over their expert-data-parallel group,
 everything divided by the whole data-parallel size.
 
-    torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py    (or 4)
+    torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py  # or 4 ranks
 """
 
 import copy

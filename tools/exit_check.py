@@ -8,7 +8,8 @@ whose docstring shows a ``torchrun`` command line for it. Each run is the first 
 ranks (``--nproc-per-node 2``), in an empty folder, on the CPU (``CUDA_VISIBLE_DEVICES=""``: gloo).
 An abort is a run in which a rank ended by a signal (torchrun reports ``Signal 6 (SIGABRT)``) or
 printed gloo's ``terminate called without an active exception``: the abort that marks a good job
-failed. The table prints as each program finishes; the exit status is 1 if any run aborted.
+failed. The table prints as each program finishes (each run's count to stderr); the exit status is
+1 if any run aborted.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ def run_once(program: Path) -> tuple[bool, int]:
 
 def check(program: Path, runs: int) -> tuple[int, int, list[int]]:
     """(runs, aborts, the exit statuses seen) for one program."""
-    results = [run_once(program) for _ in range(runs)]
+    results = []
+    for run in range(1, runs + 1):
+        results.append(run_once(program))
+        print(f"  {program.name}: run {run}/{runs}, aborts so far {sum(a for a, _ in results)}",
+              file=sys.stderr, flush=True)
     return runs, sum(aborted for aborted, _ in results), sorted({rc for _, rc in results})
 
 
