@@ -12,7 +12,8 @@
 # optimizer state; an **all-gather** then gives every rank every updated shard.
 #
 # **Short answer: the same mean as notebook 02, taken elsewhere.** A reduce-scatter and an
-# all-gather carry exactly the sums of one `all_reduce`, so the division by N is still needed,
+# all-gather carry the sums of one `all_reduce` (bit for bit on gloo, measured below; on NCCL
+# up to the order of the additions, notebook 09), so the division by N is still needed,
 # once: by hand (÷ N, or `ReduceOp.AVG`), in FSDP2 by its *gradient divide factor* (by default
 # the mean), in DeepSpeed and Megatron by settings quoted below from their own code. Two habits
 # of the replicated world break: a gradient norm computed on one rank's shard is not the
@@ -633,8 +634,10 @@ assert all(abs(c - 1) < 1e-6 for c, _ in every)  # the token-weighted mean, exac
 #
 # DDP's `no_sync()` (notebook 04) has an FSDP2 counterpart: with
 # `model.set_requires_gradient_sync(False)` backward keeps whole, unreduced gradients, and the
-# next backward with sync on reduce-scatters their sum once. Two micro-batches of 8 images,
-# each loss halved, against one process on all the ranks' images:
+# next backward with sync on reduce-scatters their sum once. Until then each rank holds whole
+# gradients: the memory that sharding saved. With notebook 07's token loss, count the tokens
+# over all the micro-batches. Two micro-batches of 8 images, each loss halved, against one
+# process on all the ranks' images:
 
 # %%
 def accumulate(rank, world_size):
