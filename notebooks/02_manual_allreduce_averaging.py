@@ -726,6 +726,7 @@ assert equivalent < adam_gaps["clip_grad_norm_", "average, eps / N"] / 10  # see
 #     x, y = torch.randn(64, 20).to(device), torch.randint(0, 3, (64,)).to(device)  # one batch...
 #     shard = slice(rank, None, world_size)      # ...a different shard of it on each rank
 #     whole = copy.deepcopy(model)               # for the check below: one process, all 64
+#     torch.manual_seed(0 + rank)                # then each rank its own dropout masks (seed + rank)
 #
 #     loss = F.cross_entropy(model(x[shard]), y[shard])
 #     loss.backward()

@@ -377,6 +377,7 @@ assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 #     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
 #
 #     model = DDP(nn.Linear(20, 3).to(device))  # after init: copies rank 0's weights to all
+#     torch.manual_seed(SEED + rank)            # then each rank its own dropout masks
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 #     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
 #     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)

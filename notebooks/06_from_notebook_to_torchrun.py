@@ -639,6 +639,12 @@ print("without @record, the summary has no traceback: the error is only in the w
 #   needed when something `train` built (the DDP model) can outlive it in a reference cycle: there,
 #   importing torchvision inside `train` made one, the model was freed at exit after the group,
 #   and gloo sometimes aborted a run that had finished. This snippet has no such cycle.
+# * Every snippet and script imports `torch.distributed.nn` before `init_process_group`. Its
+#   collectives take the group as a default argument (`def broadcast(tensor, src,
+#   group=group.WORLD)` in torch 2.14's `torch/distributed/nn/functional.py`), bound at import.
+#   Imported after init, as DDP's constructor does, they hold the group after
+#   `destroy_process_group()`, and gloo can abort at exit ("terminate called without an active
+#   exception"). Imported first, they hold `None` (`tests/test_clean_exit.py` checks both).
 #
 # ## Exercise
 #

@@ -76,6 +76,7 @@ def main():
     model = nn.Linear(20, 3).to(device)
     for p in model.parameters():
         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
+    torch.manual_seed(SEED + rank)                         # then each rank its own dropout masks
     assert_equal_replicas(model)                           # different weights, BatchNorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
