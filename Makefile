@@ -14,8 +14,8 @@
 # make site  - the course as a website, from the committed notebooks (no execution), into
 #   build/site/html/ (installs the `site` extra; docs/build.py). PY= works as for notebooks.
 # make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
-#   checks of notebooks 01-03 and 07-09 on the GPUs, one table for the README (~10 min; every
-#   part skipped, with the reason, without a GPU). PY= as for make notebooks.
+#   checks of every notebook that calls gst.local_device(), on the GPUs, one table for the README
+#   (~10 min; every part skipped, with the reason, without a GPU). PY= as for make notebooks.
 # make times - execute every notebook in one run, timed (full mode, on a quiet machine), and write
 #   the README's time table and the doctor's reference times from that run
 #   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).

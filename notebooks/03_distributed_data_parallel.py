@@ -707,6 +707,9 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.nn.parallel import DistributedDataParallel as DDP
@@ -745,6 +748,7 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 #     global_batch, epochs, path = 64, 2, "ddp_checkpoint.pt"
 #
 #     model = DDP(nn.Linear(20, 3).to(device))  # after init: copies rank 0's weights to all
+#     torch.manual_seed(SEED + rank)            # then each rank its own dropout masks
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 #     sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # a different shard per rank
 #     loader = DataLoader(dataset, batch_size=global_batch // world_size, sampler=sampler)

@@ -511,6 +511,9 @@ print("without @record, the summary has no traceback: the error is only in the w
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.distributed.elastic.multiprocessing.errors import record
@@ -645,6 +648,12 @@ print("without @record, the summary has no traceback: the error is only in the w
 #   only needed when something `train` built, the DDP model, can outlive it in a reference cycle.
 #   There, importing torchvision inside `train` made one. The model was freed at exit after the
 #   group, and gloo sometimes aborted a run that had finished. This snippet has no such cycle.
+# * Every snippet and script imports `torch.distributed.nn` before `init_process_group`. Its
+#   collectives take the group as a default argument, bound at import (`def broadcast(tensor, src,
+#   group=group.WORLD)` in torch 2.14's `torch/distributed/nn/functional.py`). DDP's constructor
+#   imports it after init. Its defaults then hold the group after `destroy_process_group()`, and
+#   gloo can abort at exit ("terminate called without an active exception"). Imported first, they
+#   hold `None` (`tests/test_clean_exit.py` checks both).
 #
 # ## Exercise
 #

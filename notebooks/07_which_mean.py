@@ -655,6 +655,9 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.nn.parallel import DistributedDataParallel as DDP

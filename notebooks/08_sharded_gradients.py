@@ -642,8 +642,10 @@ assert all(abs(c - 1) < 1e-6 for c, _ in every)  # the token-weighted mean, exac
 #
 # DDP's `no_sync()` (notebook 03) has an FSDP2 counterpart. With
 # `model.set_requires_gradient_sync(False)`, backward keeps whole, unreduced gradients. The next
-# backward with sync on reduce-scatters their sum once. Each rank runs two micro-batches of 8
-# images, each loss halved. One process on all the images is the reference:
+# backward with sync on reduce-scatters their sum once. Until then each rank holds whole gradients:
+# the memory that sharding saved. With notebook 07's token loss, count the tokens over all the
+# micro-batches. Each rank runs two micro-batches of 8 images, each loss halved. One process on all
+# the images is the reference:
 
 # %%
 def accumulate(rank, world_size):
@@ -990,6 +992,9 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # import torch
 # import torch.distributed as dist
 # import torch.distributed.checkpoint as dcp
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -544,7 +544,7 @@ assert all(any(abs(x - 1) > 0.1 for x in c[3]) for c in checks if c not in exact
 # parallelism, and its gradients reduced right: experts over their expert-data-parallel group,
 # everything divided by the whole data-parallel size.
 #
-#     torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py    (or 4)
+#     torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py  # or 4 ranks
 # """
 #
 # import copy
@@ -553,6 +553,9 @@ assert all(any(abs(x - 1) > 0.1 for x in c[3]) for c in checks if c not in exact
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 # from torch.distributed.device_mesh import init_device_mesh

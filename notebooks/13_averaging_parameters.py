@@ -547,6 +547,9 @@ assert torch.allclose(shrunk, theta0 * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13
 #
 # import torch
 # import torch.distributed as dist
+#
+# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn
 #

@@ -40,6 +40,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         # What train() built (DDP holds the process group) can outlive it in a reference cycle
         # (importing torchvision inside it makes one). Freed only at interpreter exit, after the
-        # group, it made gloo abort the finished process (SIGABRT) in ~15% of 4-rank runs here.
+        # group, it sometimes made gloo abort the finished process (SIGABRT).
         gc.collect()
         dist.destroy_process_group()  # after an error too: close the sockets, free the GPU
 

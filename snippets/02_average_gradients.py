@@ -9,6 +9,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 
@@ -53,6 +56,7 @@ def main():
     x, y = torch.randn(64, 20).to(device), torch.randint(0, 3, (64,)).to(device)  # one batch...
     shard = slice(rank, None, world_size)      # ...a different shard of it on each rank
     whole = copy.deepcopy(model)               # for the check below: one process, all 64
+    torch.manual_seed(0 + rank)                # then each rank its own dropout masks (seed + rank)
 
     loss = F.cross_entropy(model(x[shard]), y[shard])
     loss.backward()

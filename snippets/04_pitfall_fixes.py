@@ -9,6 +9,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -73,6 +76,7 @@ def main():
     model = nn.Linear(20, 3).to(device)
     for p in model.parameters():
         dist.broadcast(p.data, src=0)                      # ...and rank 0's weights everywhere
+    torch.manual_seed(SEED + rank)                         # then each rank its own dropout masks
     assert_equal_replicas(model)                           # different weights, BatchNorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 

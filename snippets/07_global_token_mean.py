@@ -11,6 +11,9 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP

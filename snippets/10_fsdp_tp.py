@@ -11,6 +11,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -10,6 +10,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe

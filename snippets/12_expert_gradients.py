@@ -2,7 +2,7 @@
 parallelism, and its gradients reduced right: experts over their expert-data-parallel group,
 everything divided by the whole data-parallel size.
 
-    torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py    (or 4)
+    torchrun --standalone --nproc-per-node 2 snippets/12_expert_gradients.py  # or 4 ranks
 """
 
 import copy
@@ -11,6 +11,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh

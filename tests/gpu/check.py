@@ -12,7 +12,8 @@ On a machine with N >= 1 CUDA GPUs, with R = min(N, 2) ranks:
   vs DDP) and against a resumed run;
 * gloo with CUDA tensors on 2 ranks (``tests/gpu/gloo_cuda.py``): what a 1-GPU machine can test
   of 2 ranks, since nccl cannot put two ranks on one GPU;
-* the checks of notebooks 01-09 (found by glob), ``SMOKE_TEST=1`` under nbval: every
+* the checks of every notebook whose source calls ``gst.local_device()`` (found, not listed:
+  ``gpu_notebooks()``; 00 to 13 today), ``SMOKE_TEST=1`` under nbval: every
   launch with a GPU per rank runs nccl on them, a launch with more ranks than GPUs gloo on the
   CPU, and the notebook's own process uses GPU 0.
 
@@ -35,8 +36,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync_tutorial import notebooks
+
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = ("01", "02", "03", "04", "05", "06", "07", "08", "09")  # checks run on GPUs
 BUDGET = 540  # seconds for everything: a GPU machine lent for ~10 minutes
 
 
@@ -81,6 +83,13 @@ def snippet_commands(snippet: Path, ranks: int) -> list[list[str]]:
     return commands or [torchrun(ranks, snippet)]
 
 
+def gpu_notebooks() -> list[Path]:
+    """The notebooks with GPU behaviour to check: those whose source calls ``local_device()``
+    (their ranks, or their kernel, put tensors on the GPU when there is one), in course order."""
+    return [nb for nb in notebooks.paths()
+            if "local_device(" in nb.with_suffix(".py").read_text()]
+
+
 def plan(gpus: int) -> list[Part]:
     """What a machine with ``gpus`` CUDA GPUs runs, in order of importance."""
     ranks = max(1, min(gpus, 2))
@@ -104,11 +113,10 @@ def plan(gpus: int) -> list[Part]:
                       + [torchrun(ranks, scripts / "train_ddp.py", "--smoke", "--epochs", "2",
                                   "--checkpoint", "straight.pt")], timeout=180))
     kernel = f"kernel cuda:0; ranks on cuda up to {gpus}, more on cpu"
-    for number in NOTEBOOKS:
-        for notebook in sorted((REPO / "notebooks").glob(f"{number}_*.ipynb")):
-            parts.append(Part("notebook", f"notebooks/{notebook.name}", 0, kernel, "nccl / gloo",
-                              [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                str(notebook)]], timeout=180, env={"SMOKE_TEST": "1"}))
+    for notebook in gpu_notebooks():
+        parts.append(Part("notebook", f"notebooks/{notebook.name}", 0, kernel, "nccl / gloo",
+                          [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            str(notebook)]], timeout=180, env={"SMOKE_TEST": "1"}))
     return parts
 
 
