@@ -872,7 +872,7 @@ for n, results in ring_rows.items():
 #         used = [p.grad is not None for p in self.params]
 #         for p, slot in zip(self.params, self.slots, strict=True):
 #             if p.grad is None:                                    # unused on this rank: it
-#                 slot.zero_()                                      # adds zeros (notebook 04)
+#                 slot.zero_()                                      # adds zeros (notebook 03)
 #             else:
 #                 slot.copy_(p.grad)                                # flatten
 #         self.counts.copy_(torch.tensor(used, dtype=self.counts.dtype))  # ranks that used it
