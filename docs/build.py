@@ -287,7 +287,8 @@ def landing_page(course: Course) -> tuple[str, set[str]]:
             parts.append(_glossary(course, section, linker))
         else:
             parts.append(linker.markdown(section.text))
-    parts.append(_toctree("The course", [f"notebooks/{p.stem}" for p in course.notebooks.values()]))
+    for caption, pages in course_parts(course):
+        parts.append(_toctree(caption, pages))
     parts.append(_toctree("More", ["reference", *(g[:-3] for g in course.guides)]))
     return "\n".join(parts), linker.files
 
@@ -299,6 +300,42 @@ def _glossary(course: Course, section: Section, linker: Linker) -> str:
     for term, definition in course.glossary.items():
         entries.append(f"{term}\n  {linker.markdown(definition, terms=False)}\n")
     return "\n".join(lines).rstrip() + "\n\n```{glossary}\n" + "\n".join(entries) + "```\n"
+
+
+PART_ROW = re.compile(r"^\| \*\*(?P<caption>Part [^*|]+)\*\* \|", re.M)
+
+
+def course_parts(course: Course) -> list[tuple[str, list[str]]]:
+    """The site's navigation: the README notebook table's parts, each with its notebooks' pages.
+
+    A row ``| **Part 1 — The answer** | | |`` starts a part; the notebooks the table lists after
+    it belong to it. Notebooks in no part (a table without parts, a notebook not listed yet)
+    come last, under "The course".
+
+    >>> text = "| **Part 1 — A** | |\\n| [00 x](notebooks/00_x.ipynb) | |\\n| **Part 2 — B** | |\\n"
+    >>> [(c, len(p)) for c, p in course_parts_of(text, ["00", "01"])]
+    [('Part 1 — A', 1), ('The course', 1)]
+    """
+    stems = {number: f"notebooks/{path.stem}" for number, path in course.notebooks.items()}
+    return [(caption, [stems[n] for n in numbers])
+            for caption, numbers in course_parts_of(_section(course, "The notebooks").text, stems)]
+
+
+def course_parts_of(table: str, numbers) -> list[tuple[str, list[str]]]:
+    """`course_parts` on the text of the README's notebook table: (caption, notebook numbers)."""
+    parts: list[tuple[str, list[str]]] = []
+    placed: set[str] = set()
+    for line in table.splitlines():
+        part = PART_ROW.match(line)
+        if part:
+            parts.append((part.group("caption").strip(), []))
+            continue
+        listed = re.search(r"\(notebooks/(\d\d)_", line)
+        if parts and listed and listed.group(1) in numbers and listed.group(1) not in placed:
+            parts[-1][1].append(listed.group(1))
+            placed.add(listed.group(1))
+    rest = [n for n in numbers if n not in placed]
+    return [(c, p) for c, p in parts if p] + ([("The course", rest)] if rest else [])
 
 
 def _toctree(caption: str, pages: list[str]) -> str:
@@ -425,7 +462,9 @@ def build(work: Path, root: Path = REPO, quiet: bool = True) -> Path:
     if (html / "index.html").exists() and stamp.exists() and stamp.read_text() == fingerprint:
         return html / "index.html"
     stamp.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-n",
+    # -E: a fresh environment, so that every page's navigation shows today's parts (Sphinx's
+    # incremental build rewrote only the changed pages, leaving stale sidebars on the others)
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "--keep-going", "-n",
            "-d", str(work / "doctrees"), str(src), str(html)]
     if quiet:
         cmd.insert(3, "-q")

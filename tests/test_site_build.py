@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import importlib.util
+import re
 import shutil
 import sys
 
@@ -62,8 +63,12 @@ def test_the_landing_page_has_the_answer_the_glossary_and_the_notebooks():
     for start in site.LANDING:
         assert f"\n## {start}" in landing
     assert "```{glossary}" in landing and "rank\n  one of the processes" in landing
-    toctree = landing.split(":caption: The course\n\n")[1].split("```")[0].split()
-    assert toctree == [f"notebooks/{p.stem}" for p in course.notebooks.values()]
+    # the navigation: the README table's four parts, every notebook once, in course order
+    captions = re.findall(r":caption: (Part .+)\n", landing)
+    assert [c.split(" — ")[0] for c in captions] == ["Part 1", "Part 2", "Part 3", "Part 4"]
+    pages = [page for caption in captions
+             for page in landing.split(f":caption: {caption}\n\n")[1].split("```")[0].split()]
+    assert pages == [f"notebooks/{p.stem}" for p in course.notebooks.values()]
 
 
 def test_every_readme_section_is_on_one_page_and_its_anchor_goes_there():
