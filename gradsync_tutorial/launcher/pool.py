@@ -81,6 +81,7 @@ class JobState:
         # Libraries the job imported that may keep process-wide state: retire these workers.
         self.imported: set[str] = set()
         self.retire: set[str] = set()  # what else the job did that no reset undoes
+        self.notes: dict[str, list[int]] = {}  # a note about a rank's result -> its ranks
 
     @property
     def retiring(self) -> bool:
@@ -99,6 +100,8 @@ class JobState:
             self.collectives[rank] = message.collectives
             self.imported.update(message.imported)
             self.retire.update(message.retire)
+            for note in message.notes:
+                self.notes.setdefault(note, []).append(rank)
         elif isinstance(message, Raised):
             self.fail(Failure(
                 rank, "raised", exc_type=message.exc_type, message=message.message,

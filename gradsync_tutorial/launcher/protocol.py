@@ -95,6 +95,9 @@ class Finished(JobMessage):
     # What the job did that no reset undoes, in words ("fn called torch.set_num_interop_threads,
     # which a process can call only once"): the launcher retires these workers too.
     retire: tuple[str, ...] = ()
+    # What the notebook should be told about the result (a DTensor sent as its local tensor):
+    # the launcher prints each note once, naming the ranks whose result it is about.
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

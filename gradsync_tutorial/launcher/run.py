@@ -215,6 +215,10 @@ def launch(
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
         raise shown_from_caller(error) from error.__cause__
+    for note, ranks in state.notes.items():  # once, whichever ranks it is about
+        who = ("every rank" if len(ranks) == world_size
+               else "rank " + ", ".join(map(str, sorted(ranks))))
+        print(f"gst.launch ({who}): {note}", file=sys.stderr, flush=True)
     if state.retiring:
         _say_retired(state.imported, reuse_workers, state.retire)
     else:

@@ -56,13 +56,14 @@ from gradsync_tutorial.launcher.protocol import (
 _mark = END_MARK  # this worker's own: END_MARK and its secret, read at start-up
 
 
-def _dumps_result(obj) -> bytes:
+def _dumps_result(obj) -> tuple[bytes, tuple[str, ...]]:
     """Pickle ``obj`` for the notebook, every tensor in it moved to the CPU and detached.
 
     Tensors are swapped while pickling, wherever they are (in a dict, a ``Counter``, a
     ``defaultdict``, a dataclass, an object of the user's own class): no container is rebuilt,
     so each comes back as it was, with its type, its default factory, its counts. A DTensor
-    (FSDP2) comes back as this rank's shard, a plain tensor, with a note saying so.
+    (FSDP2, tensor parallel) comes back as this rank's local tensor, a plain one; the notes
+    returned say so, for the launcher to print once whichever ranks returned DTensors.
     """
     import cloudpickle
     import torch
@@ -80,13 +81,28 @@ def _dumps_result(obj) -> bytes:
 
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    if shards and os.environ.get("RANK") == "0":  # once, not once per rank: they run one fn
-        print(f"fn returned {len(shards)} DTensor(s) (FSDP2's sharded tensors, e.g. a "
-              f"{shards[0]}): the notebook receives each rank's shard of each, a plain tensor "
-              "(DTensor.to_local()). For whole tensors return t.full_tensor(), on every rank "
-              "(it is an all-gather): {k: v.full_tensor() for k, v in model.state_dict().items()}.",
-              file=sys.stderr)
-    return buffer.getvalue()
+    return buffer.getvalue(), (_dtensor_note(shards),) if shards else ()
+
+
+# What to_local() gives of a DTensor, by the kind of its placements.
+LOCAL_PART = {"Shard": "a shard (Shard)", "Replicate": "a whole copy (Replicate)",
+              "Partial": "one rank's term of a sum not yet taken (Partial: add the ranks' "
+                         "tensors, or call full_tensor())"}
+
+
+def _dtensor_note(shards: list[str]) -> str:
+    """What the launcher tells the notebook about the DTensors a rank returned (no rank in it,
+    so that the ranks' notes can be told once).
+
+    >>> print(_dtensor_note(["DTensor of shape (4,) placed (Partial(sum),)"])[:60])
+    fn returned 1 DTensor(s), e.g. a DTensor of shape (4,) place
+    """
+    kinds = [part for kind, part in LOCAL_PART.items() if any(kind in s for s in shards)]
+    return (f"fn returned {len(shards)} DTensor(s), e.g. a {shards[0]}. The notebook "
+            "receives each rank's local tensor of each, a plain tensor (DTensor.to_local()): "
+            f"{', '.join(kinds) or 'its local part'}. For whole tensors return "
+            "t.full_tensor(), on every rank (it is a collective): "
+            "{k: v.full_tensor() for k, v in model.state_dict().items()}.")
 
 
 def _local_shard(tensor, shards: list[str]):
@@ -183,8 +199,10 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         return _raised(job.job_id, exc)
     try:
         result = _unwrap_ddp(result)
-        return Finished(job.job_id, _dumps_result(result), counter.total,
-                        _fresh_state.retiring_imports(before), _fresh_state.retire_reasons())
+        pickled, notes = _dumps_result(result)
+        return Finished(job.job_id, pickled, counter.total,
+                        _fresh_state.retiring_imports(before), _fresh_state.retire_reasons(),
+                        notes)
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "

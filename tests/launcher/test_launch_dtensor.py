@@ -48,10 +48,10 @@ def test_dtensors_arrive_as_each_ranks_shard_and_a_full_state_dict_whole(capsys)
     assert [tuple(r["state"]["0.weight"].shape) for r in results] == [(4, 5), (3, 5)]
     assert [tuple(r["grad"].shape) for r in results] == [(4, 5), (3, 5)]
     assert torch.equal(results[0]["full"]["0.weight"], results[1]["full"]["0.weight"])
-    # said once, by rank 0, for every rank
-    assert ("[rank 0] fn returned 5 DTensor(s) (FSDP2's sharded tensors, e.g. a "
-            "DTensor of shape (7, 5) placed (Shard(dim=0),)): the notebook receives each "
-            "rank's shard of each") in err
+    # said once, for every rank, by the launcher
+    assert ("gst.launch (every rank): fn returned 5 DTensor(s), e.g. a DTensor of shape "
+            "(7, 5) placed (Shard(dim=0),). The notebook receives each rank's local tensor of "
+            "each, a plain tensor (DTensor.to_local()): a shard (Shard).") in err
     assert err.count("DTensor(s)") == 1
     assert "full_tensor()" in err
     assert "pickling/unpickling of the DeviceMesh" not in err  # no mesh crossed over
@@ -77,3 +77,30 @@ def test_an_fsdp2_model_is_refused_with_what_to_return():
     message = str(info.value)
     assert "could not be serialized back to the notebook" in message
     assert "return model.state_dict()" in message
+
+
+def test_a_dtensor_returned_by_one_rank_only_is_told_naming_that_rank(capsys):
+    def fn(rank, world_size):
+        model = _sharded_model(world_size)
+        return model.state_dict() if rank == 1 else None
+
+    results = gst.launch(fn, world_size=2)
+    assert results[0] is None and type(results[1]["0.weight"]) is torch.Tensor
+    err = capsys.readouterr().err
+    assert err.count("DTensor(s)") == 1
+    assert "gst.launch (rank 1): fn returned 4 DTensor(s)" in err
+
+
+def test_a_partial_dtensor_is_told_as_a_sum_not_yet_taken_not_a_shard(capsys):
+    def fn(rank, world_size):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        return DTensor.from_local(torch.full((2,), float(rank + 1)), mesh, [Partial()])
+
+    local = gst.launch(fn, world_size=2)
+    assert [t.tolist() for t in local] == [[1.0, 1.0], [2.0, 2.0]]  # each rank's term
+    err = capsys.readouterr().err
+    assert "one rank's term of a sum not yet taken (Partial" in err
+    assert "a shard (Shard)" not in err
