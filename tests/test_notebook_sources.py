@@ -33,6 +33,14 @@ def test_notebook_matches_its_source(path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_names_its_kernel(path):
+    """Opened in JupyterLab, it starts the course's Python kernel without asking."""
+    spec = json.loads(path.read_text())["metadata"].get("kernelspec")
+    assert spec == notebooks.KERNELSPEC, (
+        f"{path.name} names no kernel (or another): make notebooks NB={path.name[:2]}")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_no_execution_timestamps(path):
     nb = json.loads(path.read_text())
     stamped = [n for n, c in enumerate(nb["cells"], start=1)

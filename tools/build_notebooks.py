@@ -109,11 +109,16 @@ def first_difference(notebook: nbformat.NotebookNode, source: nbformat.NotebookN
     return None
 
 
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
 def _strip_volatile(nb: nbformat.NotebookNode) -> None:
     for cell in nb.cells:
         for key in VOLATILE_CELL_METADATA:
             cell.metadata.pop(key, None)
     nb.metadata.pop("jupytext", None)  # the pairing lives in pyproject.toml, not in each notebook
+    # a notebook without one makes JupyterLab ask which kernel to start, and nbval warn
+    nb.metadata.setdefault("kernelspec", dict(KERNELSPEC))
 
 
 def include_snippets(source: Path, root: Path | None = None) -> None:
