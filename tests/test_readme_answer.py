@@ -48,3 +48,34 @@ def test_each_figure_is_printed_by_the_notebook_named(row):
     missing = [f for f in figures if not re.search(rf"(?<![\w.]){re.escape(f)}(?![\w])", printed)]
     assert not missing, (f"README's claim {row['claim']!r}: {missing} not in the outputs of "
                          f"{row['path']}: copy what the notebook prints now")
+
+
+def _short_answer() -> str:
+    """The README's short answer: the paragraph that opens with it, in bold."""
+    start = README.index("**Short answer:")
+    return README[start:README.index("\n\n", start)]
+
+
+def test_the_short_answer_is_short_instruction_first_with_a_measured_figure():
+    """About 150 words at most, the instruction in bold first, and a figure the claims table
+    shows (so that the test above checks it against the outputs)."""
+    answer = _short_answer()
+    words = len(answer.split())
+    assert words <= 150, f"the README's short answer has {words} words: keep it to 150"
+    assert re.match(r"\*\*Short answer: yes, keep the division", answer), answer[:80]
+    table = {f for row in ROWS for f in FIGURE.findall(row["measured"])}
+    assert any(f in table for f in FIGURE.findall(answer) if "e-" in f), (
+        "the short answer quotes no figure of the claims table")
+
+
+# | [10 Two dimensions: ...](notebooks/10_two_dimensions.ipynb) | On a 2-D mesh ... | 36 s |
+NOTEBOOK_ROW = re.compile(
+    r"^\| \[\d\d [^]]*\]\(notebooks/\d\d_\w+\.ipynb\) \| (?P<question>[^|]+) \|", re.M
+)
+
+
+def test_each_question_of_the_notebook_table_starts_with_a_capital():
+    questions = [m["question"] for m in NOTEBOOK_ROW.finditer(README)]
+    assert len(questions) >= 14
+    lower = [q[:40] for q in questions if not q[0].isupper()]
+    assert not lower, f"questions of the README's notebook table that start in lower case: {lower}"
