@@ -21,6 +21,7 @@ import os
 SMOKE_TEST = os.environ.get("SMOKE_TEST") == "1"  # set it to 1 for a short run (the tests do)
 WORLD_SIZE = 2  # number of ranks; try 4
 
+import inspect
 import re
 import tempfile
 
@@ -44,8 +45,8 @@ def hello(rank, world_size):
     print(f"hello from rank {rank}")
 
 
-# Each child writes its traceback to file descriptor 2, which it inherits from the kernel. Point
-# that at a file while spawn runs, to read the children's own error below.
+# Plumbing, not the lesson: the next 3 lines and the `finally` only capture the children's
+# errors. Each child writes to file descriptor 2, inherited from the kernel: point it at a file.
 children_stderr = tempfile.TemporaryFile()
 kernel_stderr = os.dup(2)
 os.dup2(children_stderr.fileno(), 2)
@@ -87,7 +88,8 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # lists `fork` as POSIX only, not on Windows. It also warns: "The *fork* start method should be
 # considered unsafe as it can lead to crashes of the subprocess". *Spawn* is the default on macOS
 # since Python 3.8, and *forkserver* on POSIX since Python 3.14.
-#
+
+# %% [markdown]
 # ## `gst.launch`: fresh processes, the function sent by value
 #
 # `gst.launch(fn, world_size)` starts `world_size` fresh interpreters. It sends them `fn` **by
@@ -100,15 +102,16 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 #
 # The process group is the set of ranks that communicate together, and the connections between them.
 # Its **backend** is the library that moves the tensors. It is gloo on CPUs, and nccl when there is
-# one NVIDIA GPU per rank. This machine's backend is printed further down; every committed output of
-# the course ran on gloo.
+# one NVIDIA GPU per rank. This machine's backend is printed and checked further down; every
+# committed output of the course ran on gloo.
 #
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the "hello world"
 # of distributed training: every rank contributes a number, and **every rank receives the sum**.
 # `all_reduce` is a **collective**: an operation that every rank of the group must call, each with
 # its own tensor. With gloo it returns when all of them have called it. With nccl the call is queued
 # on the GPU and returns at once. The tensor lives on the rank's device, `gst.local_device()`. That
-# is the CPU here, and GPU `LOCAL_RANK` under nccl, which refuses CPU tensors.
+# is the CPU here, and GPU `LOCAL_RANK` under nccl. nccl takes GPU tensors only, per torch's
+# [table of backends](https://docs.pytorch.org/docs/stable/distributed.html#backends).
 
 # %%
 def hello_allreduce(rank, world_size):
@@ -141,9 +144,10 @@ assert results4 == [10.0] * 4
 # %% [markdown]
 # ## Each rank sees what `torchrun` would give it
 #
-# Code written in a cell moves to a `torchrun` script unchanged. The reason: the worker's
-# environment is torchrun's. `MASTER_ADDR` and `MASTER_PORT` are the **rendezvous**, where the ranks
-# find each other when the job starts. They are the same for every rank:
+# Each rank finds the variables that `torchrun` sets. Code in a cell reads them as a script would.
+# Notebook 06 moves a cell's training into a `torchrun` script. `MASTER_ADDR` and
+# `MASTER_PORT` are the **rendezvous**, where the ranks find each other when the job starts. They
+# are the same for every rank:
 
 # %%
 def environment(rank, world_size):
@@ -160,6 +164,8 @@ assert [int(e["RANK"]) for e in envs] == list(range(WORLD_SIZE))
 assert all(e["WORLD_SIZE"] == str(WORLD_SIZE) for e in envs)
 assert len({e["MASTER_PORT"] for e in envs}) == 1  # one rendezvous point for all ranks
 print("backend:", envs[0]["backend"])
+gpu_per_rank = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
+assert envs[0]["backend"] == ("nccl" if gpu_per_rank else "gloo")  # the rule stated above
 
 
 # %% [markdown]
@@ -209,6 +215,7 @@ except gst.LaunchTimeoutError as err:
     assert err.unfinished == [0] and "Where each rank was:" in str(err)
     stopped_after = float(re.search(r"stopped after ([\d.]+) s", str(err)).group(1))
     assert stopped_after < 5  # before the 5 s timeout: rank 1 had returned
+assert inspect.signature(gst.launch).parameters["timeout"].default == 300  # the default timeout
 
 
 # %% [markdown]

@@ -128,6 +128,10 @@ assert changes == 6
 # | the hand-written averaging is gone, since `backward()` now averages | two: the `average` argument and the `average(model)` call |
 #
 # The last change reads the state dict from `model.module`, the `Net` that DDP wraps.
+#
+# Like notebook 02's, this loop seeds once, so every rank draws the same dropout masks. The exact
+# comparisons need that. A script reseeds with `SEED + rank` right after building the model, as
+# the snippet at the end does.
 
 # %%
 ddp = gst.launch(train, world_size=WORLD_SIZE, args=(EPOCHS,))
@@ -190,7 +194,7 @@ print(f"max |DDP - manual| over every step's loss: {max(gaps):.2g}")
 # model. If this is what DDP does, registering it changes nothing, bit for bit.
 
 # %%
-def ddp_gradients(rank, world_size, batch, hook=None):
+def ddp_gradients(rank, world_size, batch, hook=None):  # hook: None, "ours", "allreduce_hook"
     torch.manual_seed(SEED)
     device = gst.local_device()
     model = DDP(gst.model.Net().to(device).eval())  # eval: dropout off
@@ -206,7 +210,7 @@ def ddp_gradients(rank, world_size, batch, hook=None):
 
     if hook == "allreduce_hook":  # PyTorch's Python hook: divides the bucket by N
         model.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif hook:
+    elif hook == "ours":
         model.register_comm_hook(None, scale_then_sum)
     images, labels = gst.data.load(train=True)
     idx = batch[rank::world_size]
@@ -216,7 +220,7 @@ def ddp_gradients(rank, world_size, batch, hook=None):
 
 batch = torch.randperm(len(images), generator=torch.Generator().manual_seed(SEED))[:GLOBAL_BATCH]
 plain = gst.launch(ddp_gradients, world_size=WORLD_SIZE, args=(batch,))
-hooked = gst.launch(ddp_gradients, world_size=WORLD_SIZE, args=(batch, True))
+hooked = gst.launch(ddp_gradients, world_size=WORLD_SIZE, args=(batch, "ours"))
 
 # %%
 same = gst.checks.compare_state_dicts(plain[0]["grads"], hooked[0]["grads"], show=False)
@@ -240,9 +244,9 @@ assert torch.allclose(final.sort().values, mean.sort().values, atol=1e-7)  # the
 
 # %%
 three = {hook: gst.launch(ddp_gradients, world_size=3, args=(batch, hook))[0]["grads"]
-         for hook in (None, True, "allreduce_hook")}
+         for hook in (None, "ours", "allreduce_hook")}
 flat = {hook: torch.cat([g.flatten() for g in grads.values()]) for hook, grads in three.items()}
-ours = (flat[True] != flat[None]).sum().item()
+ours = (flat["ours"] != flat[None]).sum().item()
 divided = (flat["allreduce_hook"] != flat[None]).sum().item()
 print(f"3 ranks, gradients that differ from DDP's built-in reduction: our hook (x 1/N) {ours}, "
       f"allreduce_hook (/ N) {divided:,} of {len(flat[None]):,} "
@@ -693,7 +697,8 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 # `snippets/03_ddp.py` is a whole script. The course's tests run it with
 # `torchrun --standalone --nproc-per-node 2`. It holds DDP, the sampler and its `set_epoch`, and the
 # loop over a `DataLoader` that deals each rank its shard. Rank 0 alone writes a checkpoint, then
-# every rank calls `dist.barrier()` (notebook 06 says why).
+# every rank calls `dist.barrier()` (notebook 06 says why). Rank 0 alone reads the file back. The
+# other ranks compare their weights with rank 0's, so the check needs no shared file system.
 #
 # <!-- snippets/03_ddp.py -->
 # ```python
@@ -764,12 +769,15 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 #         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
 #     dist.barrier()                             # no rank reads it, or exits, before it is written
 #
-#     # Check: the file holds every rank's weights (the replicas are equal). map_location: each
-#     # rank loads onto its own device, not onto the GPU rank 0 saved from. Every rank reads
-#     # rank 0's file: one machine, or a file system the machines share.
-#     saved = torch.load(path, map_location=device, weights_only=True)
+#     # Check: the file holds every rank's weights. Rank 0 alone reads it back (it is on rank 0's
+#     # disk), and every rank compares its weights with rank 0's, so no machine needs the file.
+#     # map_location: onto this rank's device, not onto the GPU the tensors were saved from.
+#     saved = torch.load(path, map_location=device, weights_only=True) if rank == 0 else None
 #     for name, p in model.module.state_dict().items():
-#         assert torch.equal(saved[name], p), name
+#         rank_0 = p.clone()
+#         dist.broadcast(rank_0, src=0)          # every rank receives rank 0's tensor
+#         assert torch.equal(rank_0, p), name    # the replicas are equal...
+#         assert rank != 0 or torch.equal(saved[name], p), name  # ...and equal to the file
 #     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint, "
 #           f"on {device} ({dist.get_backend()})")
 #     dist.destroy_process_group()

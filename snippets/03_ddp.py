@@ -65,12 +65,15 @@ def main():
         torch.save(model.module.state_dict(), path)  # .module: the unwrapped model
     dist.barrier()                             # no rank reads it, or exits, before it is written
 
-    # Check: the file holds every rank's weights (the replicas are equal). map_location: each
-    # rank loads onto its own device, not onto the GPU rank 0 saved from. Every rank reads
-    # rank 0's file: one machine, or a file system the machines share.
-    saved = torch.load(path, map_location=device, weights_only=True)
+    # Check: the file holds every rank's weights. Rank 0 alone reads it back (it is on rank 0's
+    # disk), and every rank compares its weights with rank 0's, so no machine needs the file.
+    # map_location: onto this rank's device, not onto the GPU the tensors were saved from.
+    saved = torch.load(path, map_location=device, weights_only=True) if rank == 0 else None
     for name, p in model.module.state_dict().items():
-        assert torch.equal(saved[name], p), name
+        rank_0 = p.clone()
+        dist.broadcast(rank_0, src=0)          # every rank receives rank 0's tensor
+        assert torch.equal(rank_0, p), name    # the replicas are equal...
+        assert rank != 0 or torch.equal(saved[name], p), name  # ...and equal to the file
     print(f"rank {rank}: {len(loader)} steps an epoch, weights equal to the checkpoint, "
           f"on {device} ({dist.get_backend()})")
     dist.destroy_process_group()

@@ -118,6 +118,34 @@ def test_checkpoint_is_written_by_rank_0_then_a_barrier():
             assert any("dist.barrier()" in line for line in lines[i:i + 6]), name
 
 
+def test_ddp_snippet_checks_its_checkpoint_on_machines_that_share_no_file_system(tmp_path):
+    """Notebook 03's snippet on two "machines": two torchrun agents, one rank each, in their own
+    working directories. Rank 0 writes the checkpoint in its own; only rank 0 reads it back, so
+    the check passes where a rank that read the file from its own folder would not find it."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SMOKE_TEST")}
+    env["OMP_NUM_THREADS"] = "1"
+    agents = []
+    for node in (0, 1):
+        cwd = tmp_path / f"machine{node}"
+        cwd.mkdir()
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+             str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+             str(port), str(REPO / "snippets" / "03_ddp.py")],
+            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [agent.communicate(timeout=300) for agent in agents]
+    for node, (agent, (out, err)) in enumerate(zip(agents, outs, strict=True)):
+        assert agent.returncode == 0, f"machine {node}:\n{out}\n{err[-4000:]}"
+        assert f"rank {node}: " in out and "weights equal to the checkpoint" in out, out
+    assert [p.name for p in (tmp_path / "machine0").iterdir()] == ["ddp_checkpoint.pt"]
+    assert list((tmp_path / "machine1").iterdir()) == []  # machine 1 never had the file
+
+
 # -- one device idiom: notebook 06's init_distributed ------------------------------------------
 
 
