@@ -539,15 +539,22 @@ rows = bench["run"](world_sizes=(WORLD_SIZE,) if SMOKE_TEST else (2, 4), models=
                     rounds=None if SMOKE_TEST else ROUNDS, goals=False)
 
 # %%
+def middle_half(ms):  # the table's "middle 50%": the first and third quartiles
+    return statistics.quantiles(ms if len(ms) > 1 else ms * 2, n=4)[::2]
+
+
 cases = sorted({(r["model"], r["ranks"]) for r in rows}, key=lambda c: (c[1], c[0]))
+row = {(r["model"], r["ranks"], r["name"]): r for r in rows}
 fig, ax = plt.subplots(figsize=(9, 3.8))
-names = [*gst.averaging.VARIANTS, "compute only"]
+names = [name for name in gst.averaging.VARIANTS if name != "ddp"] + ["compute only"]
 width = 0.8 / len(names)
+ddp_ms = torch.tensor([row[(*c, "ddp")]["ms"] for c in cases])  # DDP's median, per case
 for i, name in enumerate(names):
-    ratio = {(r["model"], r["ranks"]): r["ratio"] for r in rows if r["name"] == name}
-    ax.bar([k + (i - len(names) / 2 + 0.5) * width for k in range(len(cases))],
-           [ratio[c] for c in cases], width, label=name,
+    xs = [k + (i - len(names) / 2 + 0.5) * width for k in range(len(cases))]
+    ax.bar(xs, [row[(*c, name)]["ratio"] for c in cases], width, label=name,
            color="lightgrey" if name == "compute only" else None)
+    q1, q3 = torch.tensor([middle_half(row[(*c, name)]["ms_all"]) for c in cases]).T
+    ax.vlines(xs, q1 / ddp_ms, q3 / ddp_ms, color="black", lw=0.8)  # its middle 50%
 ax.axhline(1.0, color="black", lw=0.8, label="DDP")
 ax.set_xticks(range(len(cases)), [f"{m}, {n} ranks" for m, n in cases])
 ax.set(ylabel="step time / DDP's", title="Step time relative to DDP's (lower is faster)")
@@ -555,7 +562,7 @@ ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 
 # %%
-assert {r["name"] for r in rows} == set(names)
+assert {r["name"] for r in rows} == {*names, "ddp"}
 assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
 print("all_reduce calls per step:")
 for model, n in cases:
@@ -566,7 +573,9 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 
 # %% [markdown]
 # How to read it: your numbers will differ from the ones above, which depend on the machine and on
-# its load. The "vs ddp" ratios are measured side by side, so they vary less.
+# its load. The "vs ddp" ratios are measured side by side, so they vary less. In the plot, DDP is
+# the black line at 1. Each whisker spans the middle 50% of that variant's step times, divided by
+# DDP's median: the table's "middle 50%" column.
 #
 # * The distance from a variant to **compute only** is what its communication costs per step.
 # * **Per-parameter** pays 7 latencies a step more than flat. That shows where the step is short, as
