@@ -834,8 +834,13 @@ for n, results in ring_rows.items():
 # Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×. Among
 # algorithms in which the ranks do the additions themselves, none can send less. That is why the
 # ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
-# page says: "NVLS and NVLSTree enable NVLink SHARP offload"; the CollNet algorithms reduce in the
-# network too. The ring's price is 2(N−1) steps, each with its own latency. For small tensors that
+# page says: "NVLS and NVLSTree enable NVLink SHARP offload". NVLink SHARP lets the NVLink switch
+# inside a machine do the additions. An NCCL maintainer calls it "an AllReduce offload system over
+# NVLink only" ([NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)). CollNet is the
+# same idea between machines: the network's switches add (InfiniBand's SHARP), through a plugin
+# that NVIDIA describes as "switch-based collectives"
+# ([HPC-X](https://docs.nvidia.com/networking/display/hpcxv226/NCCL-RDMA-SHARP-Plugins)). The
+# ring's price is 2(N−1) steps, each with its own latency. For small tensors that
 # latency is the cost, which is where this notebook started.
 #
 # ## Copy this into your code

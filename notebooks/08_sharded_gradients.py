@@ -6,10 +6,10 @@
 #
 # **Short answer:** divide once by N. Sharding takes the same mean as notebook 02, in another place:
 # by hand (÷ N, or `ReduceOp.AVG`), in FSDP2 by its *gradient divide factor*, and in DeepSpeed and
-# Megatron by settings quoted below from their own code. Two habits of the replicated world break. A
-# gradient norm computed on one rank's shard is not the gradient's norm. And notebook 02's
-# `average_gradients` cannot even run on FSDP2's gradients; nor is it needed, since they are already
-# averaged. Each sentence is measured below.
+# NVIDIA's Megatron-LM by settings quoted below from their own code. Two habits of the replicated
+# world break. A gradient norm computed on one rank's shard is not the gradient's norm. And
+# notebook 02's `average_gradients` cannot even run on FSDP2's gradients; nor is it needed, since
+# they are already averaged. Each sentence is measured below.
 #
 # In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own copy of
 # the optimizer state: N copies of the same numbers. Large models do not fit that way. DeepSpeed's

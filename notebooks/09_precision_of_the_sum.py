@@ -619,13 +619,13 @@ assert "NCCL" in default_hooks.bf16_compress_hook.__doc__
 #
 # ### A bf16 model with DDP: a hook that sums in float32
 #
-# DDP calls a comm hook for each bucket, "once the bucket is ready", in the words of torch's
-# `register_comm_hook` docstring. The hook returns a `Future` that holds the bucket's new value. The
-# same docstring warns: "Grad bucket's tensors will not be predivided by world_size. User is
-# responsible to divide by the world_size". So the hook below casts the bf16 bucket to float32,
-# all-reduces that copy, and divides. `copy_` then rounds the float32 mean to bf16 once, into DDP's
-# bucket. DDP keeps its buckets, each reduced while backward goes on. Torch's own
-# `fp16_compress_hook` has the same shape, with the cast going down.
+# DDP calls a communication hook "once the bucket is ready" (torch's `register_comm_hook`
+# docstring). The hook returns a `Future` that holds the bucket's new value. The same docstring
+# warns: "Grad bucket's tensors will not be predivided by world_size. User is responsible to divide
+# by the world_size". So the hook below casts the bf16 bucket to float32, all-reduces that copy, and
+# divides. `copy_` then rounds the float32 mean to bf16 once, into DDP's bucket. DDP keeps its
+# buckets, each reduced while backward goes on. Torch's own `fp16_compress_hook` has the same
+# shape, with the cast going down.
 
 # %%
 def fp32_allreduce_hook(process_group, bucket):  # a bf16 model's bucket, summed in float32
