@@ -23,17 +23,14 @@
 # the benchmark and the tests run the same code.
 #
 # What it shows: idea 1 pays off here, where the steps are short. Per-parameter averaging pays 8
-# latencies a step, one flat buffer one. Idea 2 matters for memory and for overlap, not for speed
-# on
+# latencies a step, one flat buffer one. Idea 2 matters for memory and for overlap, not for speed on
 # this small model. Idea 3 does not pay here, for DDP as for our own version. On a CPU the
 # communication runs on the same cores as backward, so it cannot run *beside* it. On GPUs it can:
-# the interconnect moves the bytes while the GPU computes. That is where DDP's gain is expected.
-# In
+# the interconnect moves the bytes while the GPU computes. That is where DDP's gain is expected. In
 # PyTorch's own words: "DDP's performance advantage comes from overlapping allreduce collectives
-# with
-# computations during backwards" ([DDP
-# notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)).
-# This notebook does not measure that: every output below ran on CPUs.
+# with computations during backwards"
+# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). This notebook does not measure
+# that: every output below ran on CPUs.
 #
 # Then come DDP's knobs, the numerics of dividing before or after summing, and a ring of
 # `send`/`recv`.
@@ -227,10 +224,9 @@ show(gst.averaging.FlatAverager)
 #
 # On a GPU the argument is another one. Per PyTorch's
 # [CUDA notes](https://docs.pytorch.org/docs/stable/notes/cuda.html#cuda-memory-management),
-# "PyTorch
-# uses a caching memory allocator to speed up memory allocations". So a fresh buffer usually
-# reuses
-# memory. DDP keeps its buckets anyway, for `gradient_as_bucket_view` among others (below).
+# "PyTorch uses a caching memory allocator to speed up memory allocations". So a fresh buffer
+# usually reuses memory. DDP keeps its buckets anyway, for `gradient_as_bucket_view` among others
+# (below).
 
 # %%
 try:
@@ -780,8 +776,7 @@ assert orders["sum, then divide"][1] > 0 and orders["divide, then sum"][1] == 0
 # ## Inside `all_reduce`: a ring of `send` and `recv`
 #
 # How does `all_reduce` sum a tensor over N ranks? The classic algorithm, the **ring**, only ever
-# talks to neighbours. Each rank cuts its tensor into N chunks. It passes one chunk to the right
-# N-1
+# talks to neighbours. Each rank cuts its tensor into N chunks. It passes one chunk to the right N-1
 # times, adding the chunk arriving from the left (*reduce-scatter*). It then passes the finished
 # chunks around N-1 more times (*all-gather*). Real libraries have several algorithms. The
 # [documentation](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-algo) of
@@ -836,12 +831,12 @@ for n, results in ring_rows.items():
 # ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
 # page says: "NVLS and NVLSTree enable NVLink SHARP offload". NVLink SHARP lets the NVLink switch
 # inside a machine do the additions. An NCCL maintainer calls it "an AllReduce offload system over
-# NVLink only" ([NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)). CollNet is the
-# same idea between machines: the network's switches add (InfiniBand's SHARP), through a plugin
-# that NVIDIA describes as "switch-based collectives"
-# ([HPC-X](https://docs.nvidia.com/networking/display/hpcxv226/NCCL-RDMA-SHARP-Plugins)). The
-# ring's price is 2(N−1) steps, each with its own latency. For small tensors that
-# latency is the cost, which is where this notebook started.
+# NVLink only" ([NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)). CollNet is the same
+# idea between machines: the network's switches add (InfiniBand's SHARP), through a plugin that
+# NVIDIA describes as "switch-based collectives"
+# ([HPC-X](https://docs.nvidia.com/networking/display/hpcxv226/NCCL-RDMA-SHARP-Plugins)). The ring's
+# price is 2(N−1) steps, each with its own latency. For small tensors that latency is the cost,
+# which is where this notebook started.
 #
 # ## Copy this into your code
 #

@@ -34,12 +34,10 @@
 #
 # Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32 that
 # sum is exact to about 1e-7. The gradients may instead be sent in 16 bits, for half the bytes.
-# FSDP2
-# does it by default when it computes in bf16 (section 3). The backend then also *adds* them in 16
-# bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training would
-# become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16` resolved
-# the
-# issue". With their settings, None meant full precision
+# FSDP2 does it by default when it computes in bf16 (section 3). The backend then also *adds* them
+# in 16 bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training
+# would become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16`
+# resolved the issue". With their settings, None meant full precision
 # ([pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 
 # %%
@@ -214,21 +212,18 @@ for (n, dtype), out in sorted(real.items(), key=lambda item: item[0][0]):
 
 # %% [markdown]
 # So the emulation is gloo's arithmetic. On 4 ranks only part of the numbers equal `ring_sum`'s.
-# Gloo
-# starts each chunk's running sum at another rank, and a rounded sum depends on the order; the size
-# of
-# the error does not. NCCL, on GPUs, picks among several algorithms (ring, tree...). In its
+# Gloo starts each chunk's running sum at another rank, and a rounded sum depends on the order; the
+# size of the error does not. NCCL, on GPUs, picks among several algorithms (ring, tree...). In its
 # maintainer's words: "NCCL will move from one combination to another depending on the size [...] So
 # there is no easy rule to determine which algorithm/protocol is used"
-# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the worst
-# case of these.
+# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). Of the ring and the tree, the ring
+# rounds more often: N − 1 times per number, against log2 N (the tree is measured below).
 #
 # The FSDP maintainers met the same thing. A bf16 all-reduce and a bf16 reduce-scatter disagree,
 # "not an issue with world size 2 but starts being an issue at world size 4"
-# ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a reduce-scatter carries the
-# sums of an all-reduce bit for bit on gloo (notebook 08). On NCCL it does so only up to the order
-# of
-# the additions.
+# ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a reduce-scatter carries
+# the sums of an all-reduce bit for bit on gloo (notebook 08). On NCCL it does so only up to the
+# order of the additions.
 #
 # **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU: the exact sum,
 # rounded to the nearest 16-bit number. So `ring_sum` gives the same bits on both; the next cell
@@ -321,8 +316,7 @@ assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # 
 # above): its 3 more bits.
 #
 # A Megatron-LM feature request states the same law: "A ring reduce-scatter rounds the partial sum
-# at
-# every one of its N-1 hops, so BF16 gradient error grows as √N with the axis size"
+# at every one of its N-1 hops, so BF16 gradient error grows as √N with the axis size"
 # ([NVIDIA/Megatron-LM#6199](https://github.com/NVIDIA/Megatron-LM/issues/6199)).
 #
 # ## Divide before the sum, or after? fp16's range
