@@ -668,7 +668,8 @@ assert storages == {False: 8, True: 1}
 # %% [markdown]
 # Do the knobs change the result? Buckets only move the same numbers around. So do the views here,
 # with the plain `zero_grad()` of this loop; "Divide, then sum" below shows when they do not. The
-# float16 hook rounds every gradient to 3 significant digits before sending it:
+# float16 hook rounds every gradient to float16's 11 bits of precision, about 3 significant digits,
+# before sending it (notebook 09 prints the formats' bits):
 
 # %%
 ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
