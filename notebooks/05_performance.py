@@ -23,17 +23,14 @@
 # the benchmark and the tests run the same code.
 #
 # What it shows: idea 1 pays off here, where the steps are short. Per-parameter averaging pays 8
-# latencies a step, one flat buffer one. Idea 2 matters for memory and for overlap, not for speed
-# on
+# latencies a step, one flat buffer one. Idea 2 matters for memory and for overlap, not for speed on
 # this small model. Idea 3 does not pay here, for DDP as for our own version. On a CPU the
 # communication runs on the same cores as backward, so it cannot run *beside* it. On GPUs it can:
-# the interconnect moves the bytes while the GPU computes. That is where DDP's gain is expected.
-# In
+# the interconnect moves the bytes while the GPU computes. That is where DDP's gain is expected. In
 # PyTorch's own words: "DDP's performance advantage comes from overlapping allreduce collectives
-# with
-# computations during backwards" ([DDP
-# notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)).
-# This notebook does not measure that: every output below ran on CPUs.
+# with computations during backwards"
+# ([DDP notes](https://docs.pytorch.org/docs/stable/notes/ddp.html)). This notebook does not measure
+# that: every output below ran on CPUs.
 #
 # Then come DDP's knobs, the numerics of dividing before or after summing, and a ring of
 # `send`/`recv`.
@@ -227,10 +224,9 @@ show(gst.averaging.FlatAverager)
 #
 # On a GPU the argument is another one. Per PyTorch's
 # [CUDA notes](https://docs.pytorch.org/docs/stable/notes/cuda.html#cuda-memory-management),
-# "PyTorch
-# uses a caching memory allocator to speed up memory allocations". So a fresh buffer usually
-# reuses
-# memory. DDP keeps its buckets anyway, for `gradient_as_bucket_view` among others (below).
+# "PyTorch uses a caching memory allocator to speed up memory allocations". So a fresh buffer
+# usually reuses memory. DDP keeps its buckets anyway, for `gradient_as_bucket_view` among others
+# (below).
 
 # %%
 try:
@@ -539,15 +535,22 @@ rows = bench["run"](world_sizes=(WORLD_SIZE,) if SMOKE_TEST else (2, 4), models=
                     rounds=None if SMOKE_TEST else ROUNDS, goals=False)
 
 # %%
+def middle_half(ms):  # the table's "middle 50%": the first and third quartiles
+    return statistics.quantiles(ms if len(ms) > 1 else ms * 2, n=4)[::2]
+
+
 cases = sorted({(r["model"], r["ranks"]) for r in rows}, key=lambda c: (c[1], c[0]))
+row = {(r["model"], r["ranks"], r["name"]): r for r in rows}
 fig, ax = plt.subplots(figsize=(9, 3.8))
-names = [*gst.averaging.VARIANTS, "compute only"]
+names = [name for name in gst.averaging.VARIANTS if name != "ddp"] + ["compute only"]
 width = 0.8 / len(names)
+ddp_ms = torch.tensor([row[(*c, "ddp")]["ms"] for c in cases])  # DDP's median, per case
 for i, name in enumerate(names):
-    ratio = {(r["model"], r["ranks"]): r["ratio"] for r in rows if r["name"] == name}
-    ax.bar([k + (i - len(names) / 2 + 0.5) * width for k in range(len(cases))],
-           [ratio[c] for c in cases], width, label=name,
+    xs = [k + (i - len(names) / 2 + 0.5) * width for k in range(len(cases))]
+    ax.bar(xs, [row[(*c, name)]["ratio"] for c in cases], width, label=name,
            color="lightgrey" if name == "compute only" else None)
+    q1, q3 = torch.tensor([middle_half(row[(*c, name)]["ms_all"]) for c in cases]).T
+    ax.vlines(xs, q1 / ddp_ms, q3 / ddp_ms, color="black", lw=0.8)  # its middle 50%
 ax.axhline(1.0, color="black", lw=0.8, label="DDP")
 ax.set_xticks(range(len(cases)), [f"{m}, {n} ranks" for m, n in cases])
 ax.set(ylabel="step time / DDP's", title="Step time relative to DDP's (lower is faster)")
@@ -555,7 +558,7 @@ ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 plt.show()
 
 # %%
-assert {r["name"] for r in rows} == set(names)
+assert {r["name"] for r in rows} == {*names, "ddp"}
 assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
 print("all_reduce calls per step:")
 for model, n in cases:
@@ -566,7 +569,9 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 
 # %% [markdown]
 # How to read it: your numbers will differ from the ones above, which depend on the machine and on
-# its load. The "vs ddp" ratios are measured side by side, so they vary less.
+# its load. The "vs ddp" ratios are measured side by side, so they vary less. In the plot, DDP is
+# the black line at 1. Each whisker spans the middle 50% of that variant's step times, divided by
+# DDP's median: the table's "middle 50%" column.
 #
 # * The distance from a variant to **compute only** is what its communication costs per step.
 # * **Per-parameter** pays 7 latencies a step more than flat. That shows where the step is short, as
@@ -663,7 +668,8 @@ assert storages == {False: 8, True: 1}
 # %% [markdown]
 # Do the knobs change the result? Buckets only move the same numbers around. So do the views here,
 # with the plain `zero_grad()` of this loop; "Divide, then sum" below shows when they do not. The
-# float16 hook rounds every gradient to 3 significant digits before sending it:
+# float16 hook rounds every gradient to float16's 11 bits of precision, about 3 significant digits,
+# before sending it (notebook 09 prints the formats' bits):
 
 # %%
 ddp_state = runs["ddp"][0]["state"]  # small buckets, see above
@@ -771,8 +777,7 @@ assert orders["sum, then divide"][1] > 0 and orders["divide, then sum"][1] == 0
 # ## Inside `all_reduce`: a ring of `send` and `recv`
 #
 # How does `all_reduce` sum a tensor over N ranks? The classic algorithm, the **ring**, only ever
-# talks to neighbours. Each rank cuts its tensor into N chunks. It passes one chunk to the right
-# N-1
+# talks to neighbours. Each rank cuts its tensor into N chunks. It passes one chunk to the right N-1
 # times, adding the chunk arriving from the left (*reduce-scatter*). It then passes the finished
 # chunks around N-1 more times (*all-gather*). Real libraries have several algorithms. The
 # [documentation](https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-algo) of
@@ -825,9 +830,14 @@ for n, results in ring_rows.items():
 # Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×. Among
 # algorithms in which the ranks do the additions themselves, none can send less. That is why the
 # ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
-# page says: "NVLS and NVLSTree enable NVLink SHARP offload"; the CollNet algorithms reduce in the
-# network too. The ring's price is 2(N−1) steps, each with its own latency. For small tensors that
-# latency is the cost, which is where this notebook started.
+# page says: "NVLS and NVLSTree enable NVLink SHARP offload". NVLink SHARP lets the NVLink switch
+# inside a machine do the additions. An NCCL maintainer calls it "an AllReduce offload system over
+# NVLink only" ([NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)). CollNet is the same
+# idea between machines: the network's switches add (InfiniBand's SHARP), through a plugin that
+# NVIDIA describes as "switch-based collectives"
+# ([HPC-X](https://docs.nvidia.com/networking/display/hpcxv226/NCCL-RDMA-SHARP-Plugins)). The ring's
+# price is 2(N−1) steps, each with its own latency. For small tensors that latency is the cost,
+# which is where this notebook started.
 #
 # ## Copy this into your code
 #

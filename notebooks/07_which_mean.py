@@ -494,7 +494,7 @@ assert max(runs["global"]["errors"]) <= 1e-12
 # %% [markdown]
 # Every curve falls, and the buggy ones stay close to the fix's: a mean gap under 10% of its fall.
 # Yet at every step their gradient is off by more than 5%. The output above gives the median and the
-# largest error of each. The bug does not stop training: it trains on another objective. In that
+# largest error of each: a median of 35% and 46%, and up to 3.5 times the gradient's own size. The bug does not stop training: it trains on another objective. In that
 # mean, the tokens of short lines, of small micro-batches and of ranks with few tokens weigh more.
 # Nothing in the curve says so. Comparing one step with one process, as this notebook does, shows
 # it.
@@ -596,28 +596,38 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # ## How the frameworks spell it
 #
 # Both frameworks count the valid tokens of the whole step, micro-batches and ranks, before the
-# first backward. Both divide a sum by that count. They differ in where the × N goes.
+# first backward. (Hugging Face's Trainer counts over the ranks with its default,
+# `average_tokens_across_devices=True`.) Both divide a sum by that count. They differ in where the × N goes.
 #
 # | framework | counts | divides | × N |
 # |---|---|---|---|
-# | Hugging Face Trainer | `get_batch_samples`, then `accelerator.gather(...).sum()` | `fixed_cross_entropy`: sum / `num_items_in_batch` | yes: `loss *= self.accelerator.num_processes` |
+# | Hugging Face Trainer | `get_batch_samples`, then `accelerator.gather(...).sum()` if `average_tokens_across_devices` | `fixed_cross_entropy`: sum / `num_items_in_batch` | yes, if `average_tokens_across_devices`: `loss *= self.accelerator.num_processes` |
 # | torchtitan | `dist_utils.dist_sum_tensor(local_valid_tokens, dp_mesh)` | `loss / global_valid_tokens` | no: `gradient_divide_factor=1.0` turns FSDP's division off |
 #
-# * **Hugging Face Trainer.** `Trainer.get_batch_samples` counts the step's labels that are not −100
-#   over its micro-batches:
-#   `num_items_in_batch = sum([(batch["labels"].ne(-100)).sum() for batch in batch_samples])`. With
-#   `average_tokens_across_devices` it sums that over the processes:
-#   `num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()`. The model's loss then
-#   divides a sum by it (`fixed_cross_entropy`: `reduction = "sum"`, then
-#   `loss = loss / num_items_in_batch`). `Trainer.compute_loss` then multiplies by the number of
-#   processes, `loss *= self.accelerator.num_processes`, when the model or your `compute_loss_func`
-#   takes `num_items_in_batch`. That undoes DDP's division: this notebook's sum / global count × N
-#   ([trainer.py](https://github.com/huggingface/transformers/blob/000945a9b726d87a93e61e873b88ff8f3cd411b5/src/transformers/trainer.py),
-#   [loss/loss_utils.py](https://github.com/huggingface/transformers/blob/0114da07ec0e101b420a923dedeb6032b6ac3a44/src/transformers/loss/loss_utils.py)).
-#   `TrainingArguments` documents the switch: "average_tokens_across_devices (`bool`, *optional*,
-#   defaults to `True`): Whether or not to average tokens across devices. If enabled, will use
-#   all_reduce to synchronize num_tokens_in_batch for precise loss calculation"
-#   ([training_args.py](https://github.com/huggingface/transformers/blob/00349ae87eddc872ffa21a8a54f264375a0056a8/src/transformers/training_args.py)).
+# * **Hugging Face Trainer**, in `Trainer.get_batch_samples` and `Trainer.compute_loss`
+#   ([trainer.py](https://github.com/huggingface/transformers/blob/000945a9b726d87a93e61e873b88ff8f3cd411b5/src/transformers/trainer.py)):
+#   * **Count.** It counts only if the batches carry `"labels"` and either the model takes the
+#     loss's keyword arguments (`self.model_accepts_loss_kwargs`) or you passed a
+#     `compute_loss_func`. It counts the labels that are not −100, over the step's micro-batches:
+#     `num_items_in_batch = sum([(batch["labels"].ne(-100)).sum() for batch in batch_samples])`.
+#   * **Gather.** `if self.args.average_tokens_across_devices`, it sums that count over the
+#     processes: `num_items_in_batch = self.accelerator.gather(num_items_in_batch).sum()`.
+#   * **Divide.** The model's loss divides a sum by the count (`fixed_cross_entropy`:
+#     `reduction = "sum"`, then `loss = loss / num_items_in_batch`;
+#     [loss/loss_utils.py](https://github.com/huggingface/transformers/blob/0114da07ec0e101b420a923dedeb6032b6ac3a44/src/transformers/loss/loss_utils.py)).
+#   * **× N.** `compute_loss` multiplies by the number of processes when three conditions hold:
+#     `self.args.average_tokens_across_devices`, then
+#     `(self.model_accepts_loss_kwargs or self.compute_loss_func)`, then
+#     `num_items_in_batch is not None`. The line is `loss *= self.accelerator.num_processes`. That
+#     undoes DDP's division: this notebook's sum / global count × N.
+#   * **Otherwise**, `training_step` divides by the number of micro-batches, the 2024 bug's mean:
+#     `loss = loss / self.current_gradient_accumulation_steps`. It does so
+#     `if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and
+#     self.compute_loss_func is None`.
+#   * **The switch.** `TrainingArguments` documents it: "average_tokens_across_devices (`bool`,
+#     *optional*, defaults to `True`): Whether or not to average tokens across devices. If enabled,
+#     will use all_reduce to synchronize num_tokens_in_batch for precise loss calculation"
+#     ([training_args.py](https://github.com/huggingface/transformers/blob/00349ae87eddc872ffa21a8a54f264375a0056a8/src/transformers/training_args.py)).
 # * **torchtitan.** Its training step adds up `local_valid_tokens` over the step's micro-batches
 #   (`(labels != IGNORE_INDEX).sum()`). Then
 #   `global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens.to(self.device), dp_mesh)`.

@@ -6,10 +6,10 @@
 #
 # **Short answer:** divide once by N. Sharding takes the same mean as notebook 02, in another place:
 # by hand (÷ N, or `ReduceOp.AVG`), in FSDP2 by its *gradient divide factor*, and in DeepSpeed and
-# Megatron by settings quoted below from their own code. Two habits of the replicated world break. A
-# gradient norm computed on one rank's shard is not the gradient's norm. And notebook 02's
-# `average_gradients` cannot even run on FSDP2's gradients; nor is it needed, since they are already
-# averaged. Each sentence is measured below.
+# NVIDIA's Megatron-LM by settings quoted below from their own code. Two habits of the replicated
+# world break. A gradient norm computed on one rank's shard is not the gradient's norm. And
+# notebook 02's `average_gradients` cannot even run on FSDP2's gradients; nor is it needed, since
+# they are already averaged. Each sentence is measured below.
 #
 # In notebooks 02 and 03 every rank ends each step with the whole mean gradient and its own copy of
 # the optimizer state: N copies of the same numbers. Large models do not fit that way. DeepSpeed's
@@ -882,7 +882,7 @@ assert "only available with the ``NCCL`` backend" in documented["AVG"]
 #
 # | library | where the 1/N goes | how to turn it off (token-count losses) |
 # |---|---|---|
-# | DDP | each gradient × 1/N as it is copied into its bucket, then `SUM`: `reducer.cpp` (`mark_variable_ready_dense`, pytorch/pytorch@0041320): "Divides while copying into the bucket view to save one scan over all the input parameters", with `div_factor_ = process_group_->getSize()` | no switch: multiply the loss by N, or register a communication hook that sums |
+# | DDP | each gradient × 1/N as it is copied into its bucket, then `SUM`: `reducer.cpp` (`mark_variable_ready_dense`, pytorch/pytorch@0041320): "Divides while copying into the bucket view to save one scan over all the input parameters", with `div_factor_ = process_group_->getSize()`. With `gradient_as_bucket_view=True` and the gradients zeroed in place, the gradient is the bucket, divided in place by N (notebook 05) | no switch: multiply the loss by N, or register a communication hook that sums |
 # | FSDP2 | the gradient divide factor: `AVG` (float32, bfloat16); `SUM` then ÷ N with the sum forced; in float16 and float64, ÷ about √N before `SUM` and the rest after (`_get_gradient_divide_factors`, above) | on every `FSDPModule`, since neither setter recurses (the loop over `model.modules()` above, as torchtitan does): `set_gradient_divide_factor(1.0)`, with `set_force_sum_reduction_for_comms(True)` on gloo |
 # | DeepSpeed | `gradient_predivide_factor` p: "Before mean gradient allreduce, predivide gradients by a specified factor; this can sometimes help with fp16 stability when scaling to large numbers of GPUs" (default 1.0); `prescale_gradients`: "Scale gradients before doing mean allreduce" (default false) (`docs/_pages/config-json.md`). `allreduce_bucket` in `deepspeed/runtime/engine.py`: × 1/p, `all_reduce`, × p/N; with `prescale_gradients`, × 1/N then `all_reduce`. ZeRO 1/2 with `reduce_scatter` asserts p = 1.0 and divides the bucket by N before reducing (`average_tensor`, `deepspeed/runtime/zero/stage_1_and_2.py`; deepspeedai/DeepSpeed@edaa722) | `gradient_allreduce_op: "sum"`: "to keep the unscaled sum" (stages 0, 1 and 2) |
 # | Megatron | `average_in_collective`: "If true, compute average in collective directly, as opposed to dividing by the dp_size first and then computing sum in the collective" (default False: `gradient_scaling_factor = 1.0 / data_parallel_world_size`, then `SUM`; True: factor 1.0 and `ReduceOp.AVG`) (`megatron/core/distributed/distributed_data_parallel_config.py`, `distributed_data_parallel.py`, `param_and_grad_buffer.py`; NVIDIA/Megatron-LM@d98e8a6) | `calculate_per_token_loss`: `gradient_scaling_factor = 1.0`, `SUM`; `finalize_model_grads` all-reduces `num_tokens` and scales by `1.0 / num_tokens` |

@@ -19,6 +19,7 @@
 # | `torch.autocast` alone (its gradients are float32) | float32 |
 # | FSDP2 with `reduce_dtype=torch.float32` | float32 |
 # | DDP's `bf16_compress_hook` and `fp16_compress_hook`, a model converted to bf16 | 16 bits |
+# | a model converted to bf16, with a hook that casts each bucket to float32 (section 3) | float32 |
 #
 # Why: a sum in a 16-bit format rounds at every addition. In a ring all-reduce every rank adds its
 # gradient to a running sum, so the error grows with N. fp16 has 3 more bits than bf16, but a range
@@ -33,12 +34,10 @@
 #
 # Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32 that
 # sum is exact to about 1e-7. The gradients may instead be sent in 16 bits, for half the bytes.
-# FSDP2
-# does it by default when it computes in bf16 (section 3). The backend then also *adds* them in 16
-# bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training would
-# become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16` resolved
-# the
-# issue". With their settings, None meant full precision
+# FSDP2 does it by default when it computes in bf16 (section 3). The backend then also *adds* them
+# in 16 bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training
+# would become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16`
+# resolved the issue". With their settings, None meant full precision
 # ([pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 
 # %%
@@ -213,21 +212,18 @@ for (n, dtype), out in sorted(real.items(), key=lambda item: item[0][0]):
 
 # %% [markdown]
 # So the emulation is gloo's arithmetic. On 4 ranks only part of the numbers equal `ring_sum`'s.
-# Gloo
-# starts each chunk's running sum at another rank, and a rounded sum depends on the order; the size
-# of
-# the error does not. NCCL, on GPUs, picks among several algorithms (ring, tree...). In its
+# Gloo starts each chunk's running sum at another rank, and a rounded sum depends on the order; the
+# size of the error does not. NCCL, on GPUs, picks among several algorithms (ring, tree...). In its
 # maintainer's words: "NCCL will move from one combination to another depending on the size [...] So
 # there is no easy rule to determine which algorithm/protocol is used"
-# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). A ring's running sum is the worst
-# case of these.
+# ([NVIDIA/nccl#754](https://github.com/NVIDIA/nccl/issues/754)). Of the ring and the tree, the ring
+# rounds more often: N − 1 times per number, against log2 N (the tree is measured below).
 #
 # The FSDP maintainers met the same thing. A bf16 all-reduce and a bf16 reduce-scatter disagree,
 # "not an issue with world size 2 but starts being an issue at world size 4"
-# ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a reduce-scatter carries the
-# sums of an all-reduce bit for bit on gloo (notebook 08). On NCCL it does so only up to the order
-# of
-# the additions.
+# ([pytorch#125190](https://github.com/pytorch/pytorch/pull/125190)). So a reduce-scatter carries
+# the sums of an all-reduce bit for bit on gloo (notebook 08). On NCCL it does so only up to the
+# order of the additions.
 #
 # **On a GPU.** One 16-bit addition rounds the same way on a CPU and on a GPU: the exact sum,
 # rounded to the nearest 16-bit number. So `ring_sum` gives the same bits on both; the next cell
@@ -320,8 +316,7 @@ assert errors["bf16 sent, fp32 sum", 256] < errors["bf16 sent, fp32 sum", 2]  # 
 # above): its 3 more bits.
 #
 # A Megatron-LM feature request states the same law: "A ring reduce-scatter rounds the partial sum
-# at
-# every one of its N-1 hops, so BF16 gradient error grows as √N with the axis size"
+# at every one of its N-1 hops, so BF16 gradient error grows as √N with the axis size"
 # ([NVIDIA/Megatron-LM#6199](https://github.com/NVIDIA/Megatron-LM/issues/6199)).
 #
 # ## Divide before the sum, or after? fp16's range
@@ -383,6 +378,8 @@ right.set_yscale("log")
 SCALE = torch.amp.GradScaler(DEVICE.type).get_scale()  # GradScaler's initial scale
 for ax in (left, right):
     ax.set_xscale("log", base=2)
+    ax.set_xticks(SCALES, [f"$2^{{{math.log2(s):.0f}}}$" for s in SCALES], fontsize=8)
+    ax.minorticks_off()
     ax.axvline(SCALE, color="grey", lw=0.8, ls="--", label="GradScaler's initial scale")
 left.set(xlabel="loss scale", ylabel="numbers that overflowed", title="Too large: inf")
 right.set(xlabel="loss scale", ylabel="error, smallest tenth", title="Too small: lost bits")
@@ -566,8 +563,10 @@ def ddp_backward(rank, world_size, hook=default_hooks.allreduce_hook, model_dtyp
     with gst.detect.count_collectives() as calls:
         backward(ddp)
     carried = sorted({NAME[args[0].dtype] for args, _ in calls.arguments["all_reduce"]})
-    out = {"error": relative_error(flat_grads(model), exact / world_size), "carried": carried,
-           "grad": NAME[model[1].weight.grad.dtype]}
+    got, mean = flat_grads(model), exact / world_size
+    out = {"error": relative_error(got, mean), "carried": carried,
+           "grad": NAME[model[1].weight.grad.dtype],
+           "rounded once": (got == mean.to(model_dtype).double()).double().mean().item()}
     del ddp  # freed before the launcher destroys the process group
     return out
 
@@ -609,7 +608,61 @@ assert "NCCL" in default_hooks.bf16_compress_hook.__doc__
 #   that format. That halves the bytes, with the error of section 1 (here on 2 ranks). The bf16 hook
 #   works on gloo, although its docstring (printed above) warns that
 #   `it requires NCCL version later than 2.9.6`.
-# * **A model converted to bf16** has bf16 gradients, and DDP reduces them in bf16, hook or not.
+# * **A model converted to bf16** has bf16 gradients. DDP reduces them in bf16, with its own
+#   reduction or a compression hook. A hook of your own can sum them in float32 (next).
+#
+# ### A bf16 model with DDP: a hook that sums in float32
+#
+# DDP calls a communication hook "once the bucket is ready" (torch's `register_comm_hook`
+# docstring). The hook returns a `Future` that holds the bucket's new value. The same docstring
+# warns: "Grad bucket's tensors will not be predivided by world_size. User is responsible to divide
+# by the world_size". So the hook below casts the bf16 bucket to float32, all-reduces that copy, and
+# divides. `copy_` then rounds the float32 mean to bf16 once, into DDP's bucket. DDP keeps its
+# buckets, each reduced while backward goes on. Torch's own `fp16_compress_hook` has the same
+# shape, with the cast going down.
+
+# %%
+def fp32_allreduce_hook(process_group, bucket):  # a bf16 model's bucket, summed in float32
+    group = process_group or dist.group.WORLD
+    buffer = bucket.buffer()  # bf16: this bucket's gradients, flat
+    wide = buffer.float()  # a float32 copy: the sum is float32, sent and added
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0] / group.size()))  # bf16, once
+
+
+# %% [markdown]
+# The check runs the bf16 model of the table above on 2 and 3 ranks, with DDP's own reduction and
+# with this hook. The reference is the exact mean (float64), rounded once to bf16: what the
+# exercise below asks for by hand. We count the numbers equal to it:
+
+# %%
+upcast = {}
+for n in (2, 3):
+    for label, kwargs in {"DDP's reduction": {}, "fp32_allreduce_hook": {
+            "hook": fp32_allreduce_hook}}.items():
+        upcast[label, n] = gst.launch(partial(ddp_backward, model_dtype=torch.bfloat16,
+                                              **kwargs), n)[0]
+        out = upcast[label, n]
+        print(f"bf16 model, {n} ranks, {label:>19}: all_reduce carried "
+              f"{', '.join(out['carried'])}, .grad is {out['grad']}; equal to the exact mean "
+              f"rounded once to bf16: {out['rounded once']:.1%}; error {out['error']:.1e}")
+
+# %%
+for n in (2, 3):
+    hooked, plain = upcast["fp32_allreduce_hook", n], upcast["DDP's reduction", n]
+    assert hooked["carried"] == ["fp32"] and plain["carried"] == ["bf16"]
+    assert hooked["grad"] == "bf16" and hooked["rounded once"] > 1 - 1e-3  # a tie, at most
+assert upcast["DDP's reduction", 3]["rounded once"] < 0.9  # a bf16 sum of 3 rounds twice
+assert upcast["fp32_allreduce_hook", 3]["error"] < upcast["DDP's reduction", 3]["error"]
+doc = " ".join(DDP.register_comm_hook.__doc__.split())  # the docstring quoted above
+assert "once the bucket is ready" in doc and "not be predivided by world_size" in doc
+
+# %% [markdown]
+# On 2 ranks the two agree. A bf16 sum of 2 numbers is one addition, rounded once, and so is the
+# hook's float32 mean copied to bf16. From 3 ranks on, a bf16 sum rounds at every addition, and
+# part of its numbers leave the exact mean's nearest bf16 neighbour. The hook's do not: its error
+# is the one rounding that bf16 gradients cannot avoid. It costs twice the bytes of a bf16
+# all-reduce, as FSDP2's `reduce_dtype=torch.float32` does (next).
 #
 # Megatron-LM makes the same choice a switch: `grad_reduce_in_fp32`, "If true, reduce grads in
 # fp32", off by default
@@ -787,7 +840,7 @@ for i, (label, run) in enumerate(psgd.items()):
     ax.plot(run["running"], f"C{i}-", label=f"{label}: average of the steps so far")
 ax.set(xlabel="step", ylabel="|error| / |mean gradient|", ylim=(0, None),
        title="PowerSGD (matrix rank 1) on 2 ranks: the same gradients every step")
-ax.legend(fontsize=8)
+fig.legend(fontsize=8, loc="outside lower center", ncols=2)  # below the axes, off the curves
 plt.show()
 
 # %%
@@ -928,7 +981,8 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 # With FSDP2 the same choice is
 # `MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`. Leaving
 # `reduce_dtype` out reduces in bf16. A DDP model converted to bf16 (`model.to(torch.bfloat16)`)
-# reduces in bf16: average it by hand, as in the exercise.
+# reduces in bf16. Register section 3's `fp32_allreduce_hook` on it, or average by hand, as in the
+# exercise.
 #
 # ## Exercise
 #
