@@ -16,7 +16,8 @@ puts back:
   ``fn`` for reproducible runs);
 * the warnings filters (and which warnings were already shown), signal handlers, a pending
   ``signal.alarm`` (cancelled), the recursion limit, the logging configuration (the root's and
-  every logger's level and handlers: ``basicConfig`` inside ``fn`` works every time);
+  every logger's level and handlers, a library's included: ``basicConfig`` inside ``fn``
+  works every time; ``logging.captureWarnings``);
 * file descriptors 1 and 2 (a job's ``os.close(1)``);
 * any function of :data:`_PATCHABLE`'s modules (``builtins``, ``torch``, ``torch.autograd``,
   ``torch.nn.init``, ``torch.nn.functional``...), any attribute of the classes in ``torch``,
@@ -115,6 +116,8 @@ def remember() -> None:
                               if k.startswith("_global_")} for name in _HOOK_MODULES}
     _fresh["matmul precision"] = torch.get_float32_matmul_precision()
     _fresh["fp32_precision"] = [(holder, holder.fp32_precision) for holder in _fp32_holders()]
+    _fresh["modules"] = set(sys.modules)
+    _fresh["showwarning"] = warnings.showwarning
     _fresh["logging"] = (logging.root.manager.disable, {
         logger: (logger.level, list(logger.handlers), logger.propagate, logger.disabled)
         for logger in [logging.root, *logging.root.manager.loggerDict.values()]
@@ -224,18 +227,22 @@ def _put_back_functions() -> None:
 
 
 def _put_back_logging() -> None:
-    """The logging configuration a job set (``basicConfig``, a logger's level or handlers):
-    loggers as they were, and those the user's code created as ``getLogger`` makes them."""
+    """The logging configuration a job set (``basicConfig``, a logger's level or handlers,
+    ``captureWarnings``): loggers as they were, and those a job created as ``getLogger``
+    makes them (a library's too, ``numpy``'s, unless the library was imported since)."""
     import logging
 
+    if warnings.showwarning is not _fresh["showwarning"]:  # logging.captureWarnings(True)
+        logging.captureWarnings(False)
+        warnings.showwarning = _fresh["showwarning"]
     disable, loggers = _fresh["logging"]
     if logging.root.manager.disable != disable:  # (each call clears every logger's cache)
         logging.disable(disable)
     for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
         if not isinstance(logger, logging.Logger):
             continue
-        if logger not in loggers and _librarys_logger(logger.name):
-            continue  # made by a library at its first use (torch._dynamo's): its own
+        if logger not in loggers and _made_at_a_librarys_import(logger.name):
+            continue  # torch._dynamo's, made as a job imported it: its own, not made again
         level, handlers, propagate, disabled = loggers.get(
             logger, (logging.NOTSET, [], True, False))
         if logger.handlers != handlers:
@@ -245,10 +252,17 @@ def _put_back_logging() -> None:
         logger.propagate, logger.disabled = propagate, disabled
 
 
-def _librarys_logger(name: str) -> bool:
-    """Is ``name`` the logger of an installed or a standard library (its top module's)?"""
-    module = sys.modules.get(name.partition(".")[0])
-    return module is not None and not users_own(module) and name != "__main__"
+def _made_at_a_librarys_import(name: str) -> bool:
+    """Is ``name`` the logger of a library module imported since the worker started, or of a
+    child of one (torch's ``torch._dynamo.guards.__guards``)? Such a logger was made, and may
+    be configured, by the library's import, which will not run again: it is left as it is. A
+    logger of a module imported before (``torch.nn.parallel``) was made by whoever asked."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = sys.modules.get(prefix := ".".join(parts[:i]))
+        if module is not None:
+            return prefix not in _fresh["modules"] and not users_own(module)
+    return False
 
 
 def cancel_alarms() -> None:

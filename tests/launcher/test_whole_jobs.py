@@ -323,6 +323,37 @@ def test_logging_configured_inside_fn_does_not_reach_the_next_job():
     assert gst.launch(configure("v2"), world_size=2) == [(["v2 %(message)s"], 10)] * 2
 
 
+def test_warnings_captured_and_a_library_logger_configured_inside_fn_are_put_back():
+    """logging.captureWarnings(True) routes warnings.showwarning through logging; torch's
+    loggers set to DEBUG, with a handler: "torch.distributed" (torch configures it), and
+    "torch.nn.parallel" (a placeholder until a job asks for it). The next job gets none of
+    it, as a fresh process would."""
+    NAMES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.parallel")  # noqa: N806
+
+    def configure(rank, world_size):
+        import logging
+        import sys
+
+        logging.captureWarnings(True)
+        for name in NAMES:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(logging.StreamHandler(sys.stderr))
+            logger.propagate = False
+
+    def look(rank, world_size):
+        import logging
+        import warnings
+
+        loggers = [(lg.level, len(lg.handlers), lg.propagate)
+                   for lg in map(logging.getLogger, NAMES)]
+        return warnings.showwarning.__module__, loggers
+
+    fresh, after = looks_fresh_after(configure, look)
+    assert fresh[0][0] == "warnings"
+    assert after == fresh
+
+
 def test_a_function_of_the_user_s_own_module_runs_as_edited_and_reloaded(tmp_path, monkeypatch):
     import importlib
     import os
