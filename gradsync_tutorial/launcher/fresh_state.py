@@ -336,11 +336,12 @@ def retiring_imports(before: set[str]) -> tuple[str, ...]:
     (not from an installed distribution, the standard library or the course's package: a file
     next to the notebook, perhaps edited since, perhaps holding a singleton).
 
-    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted;
+    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted
+    (a stateful library among them retires the workers too, told by :func:`retire_reasons`);
     nor are other installed libraries (tqdm, pandas...): a warm start is worth more there, and
     ``gst.shutdown_workers()`` starts afresh. ``before``: ``sys.modules``' names before fn ran.
     """
-    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules}
+    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules} - set(_stateful_for_fn)
     if len(sys.modules) != len(before):
         new = {name.partition(".")[0] for name in list(sys.modules) if name not in before}
         found |= {m for m in new if m not in sys.stdlib_module_names and m != "gradsync_tutorial"
@@ -391,20 +392,29 @@ def _watch_once_per_process() -> None:
 def retire_reasons() -> tuple[str, ...]:
     """Why this worker cannot run another job as a fresh interpreter would, in words for the
     launch's note ("fn called torch.set_num_interop_threads, which ..."); () if it can."""
+    reasons = []
     if _once_called:
-        return ("fn called torch.set_num_interop_threads, which a process can call only once",)
-    return ()
+        reasons.append("fn called torch.set_num_interop_threads, which a process can call only "
+                       "once")
+    if _stateful_for_fn:
+        # Not "fn imported": fn's module (or an argument's) did, as the worker unpickled them.
+        reasons.append(f"loading fn's module (or its arguments) imported "
+                       f"{', '.join(_stateful_for_fn)}, which may keep process-wide state")
+    return tuple(reasons)
 
 
 # -- the user's own modules, as edited since -----------------------------------------------------
 
 _loaded_for_fn: dict[str, tuple[str, int, int]] = {}  # module -> its file, mtime, size
+_stateful_for_fn: list[str] = []  # this job's STATEFUL_LIBRARIES imported to unpickle fn
 
 
 def note_loaded_for_fn(before: set[str]) -> None:
     """Remember the files of the user's own modules that unpickling ``fn`` imported (``fn``
-    lives in a module next to the notebook, pickled by its name). ``before``: sys.modules'
-    names before."""
+    lives in a module next to the notebook, pickled by its name), and the stateful libraries
+    it imported (they retire the workers, see :func:`retire_reasons`). ``before``:
+    sys.modules' names before."""
+    _stateful_for_fn[:] = [n for n in STATEFUL_LIBRARIES if n in sys.modules and n not in before]
     for name in [n for n in list(sys.modules) if n not in before]:
         path = getattr(sys.modules[name], "__file__", None)
         if path and not _installed_or_standard(path):

@@ -473,6 +473,28 @@ def test_datasets_switches_set_by_a_job_do_not_reach_the_next(tmp_path, monkeypa
     assert after == fresh == [True, True]
 
 
+def test_a_stateful_library_loaded_with_fn_s_module_retires_and_the_note_says_so(
+        tmp_path, monkeypatch, capsys):
+    """fn's module imports datasets at its top: unpickling fn imports it in the worker (it is
+    there now: the workers retire), and the note says who imported it (not fn)."""
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "datasets", DATASETS_SWITCHES)
+    (tmp_path / "train_with_datasets.py").write_text(
+        "import os\nimport datasets\n\ndef train(rank, world_size):\n"
+        "    datasets.disable_caching()\n    return os.getpid()\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("datasets", "train_with_datasets"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    from train_with_datasets import train
+
+    first = gst.launch(train, world_size=2)
+    note = capsys.readouterr().err
+    assert "loading fn's module (or its arguments) imported datasets, which may keep" in note
+    assert "fn imported" not in note and "so these workers were retired" in note
+    assert not set(gst.launch(train, world_size=2)) & set(first)
+
+
 # -- (6) a cell's logging.basicConfig configures the notebook, not the ranks -------------------
 
 
