@@ -247,7 +247,7 @@ def _say_retired(imported: set[str], reuse: bool, reasons: Iterable[str] = ()) -
 
 # -- the idle pool, kept between launches ------------------------------------------------------
 
-IDLE_POOLS = 2  # sizes whose idle workers are kept: an exercise check's 2 and 3 ranks
+IDLE_POOLS = 2  # sizes whose idle workers are kept: an exercise check's 2 and its drawn 3 to 5
 _pool_lock = threading.Lock()
 _idle: dict[tuple, pool.Workers] = {}  # by pool key, the least recently launched first
 
