@@ -71,6 +71,7 @@ double-forked) is out of reach everywhere.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import socket
 import struct
@@ -164,7 +165,14 @@ def launch(
     num_threads = num_threads or _omp_num_threads() or max(1, cpu_count() // world_size)
 
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
-    # Its own waits outlast the launch's timeout, which the launcher reports first.
+    # Its own waits outlast the launch's timeout, which the launcher reports first. Out of file
+    # descriptors, its client would retry that long: told at once instead.
+    try:
+        pool.require_spare_descriptors(8 + 2 * world_size)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        raise pool.out_of_descriptors(world_size, e) from e
     store = _rendezvous_store(master_port, timeout + 30)
     run_id = uuid.uuid4().hex  # TORCHELASTIC_RUN_ID: one per launch, as one per torchrun
     try:
