@@ -2,8 +2,9 @@
 
 Each notebook ends with an exercise: you write one function in a cell, then pass it to its
 check. The check runs it the way the course runs code, with ``gst.launch`` (gloo, on the CPU,
-whatever the machine) on 2 ranks and then on 3, on a small model and small random data, next to
-the reference computation, so it takes a few seconds:
+whatever the machine) on 2 ranks and then on 3 to 5 (drawn once per session). It runs on a
+small model and small random data, next to the reference computation, so it takes a few
+seconds:
 
     >>> import gradsync_tutorial as gst
     >>> def average_gradients_flat(model):
@@ -23,10 +24,15 @@ shows the status line only):
   notebook runs top to bottom before you start the exercise (CI runs them that way).
 
 Why two sizes, and fresh random data each time: a check must not pass an answer that guesses
-instead of computing. At one size, a hard-coded ``/ 3`` looks like ``/ world_size``; at 2 and 3
-ranks (3 and 5 micro-batches) no fixed number is right twice. With the same seeded data every
-time, a rank could compute locally what it should have received; and what the collectives
-carried is checked too, so that numbers that reached a rank another way (a file) do not pass.
+instead of computing. At one size, a hard-coded ``/ 3`` looks like ``/ world_size``; at two
+sizes no fixed number is right twice. The second size is drawn once per Python process (a
+kernel), from 3 to 5 ranks: an answer that looks the world size up in a table of the sizes it
+saw pass ({2: ..., 3: ...}) fails most sessions. Each check's verdict names the sizes it ran.
+To run a failing check again at its size, set the environment variable
+``GRADSYNC_CHECK_WORLD_SIZE`` (``os.environ["GRADSYNC_CHECK_WORLD_SIZE"] = "4"``: read at every
+check), or pass ``world_size=(2, 4)``. With the same seeded data every time, a rank could
+compute locally what it should have received; and what the collectives carried is checked
+too, so that numbers that reached a rank another way (a file) do not pass.
 
 To see how a check counts your collective calls ("you called all_reduce 8 times; one call is
 enough") and what they carried: while your function runs, a

@@ -134,7 +134,7 @@ def check_broadcast_parameters(
     timeout: float = common.CHECK_TIMEOUT) -> str:
     """Check ``broadcast_parameters(model)``: afterwards every rank holds rank 0's parameters.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several) whose models start
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several) whose models start
     from *different* fresh random weights (so only communication can deliver rank 0's). Says
     if no collective was called, which tensor differs between ranks, whether you broadcast into
     a copy, whether the ranks agree on the *average* (an all_reduce) instead of rank 0's

@@ -309,7 +309,7 @@ def check_save_checkpoint(
     """Check ``save_checkpoint(path, model, optimizer, epochs_done)``: a run resumed from your
     file is exactly the run that never stopped.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several), as
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several), as
     ``scripts/train_ddp.py`` would: ``model`` is the DDP wrapper (the Net is ``model.module``),
     in training mode (dropout draws random numbers), ``optimizer`` SGD with momentum, after 2
     steps. Then the straight run takes 2 more steps, and a restarted one (seed, build, load

@@ -25,10 +25,14 @@ A check lives in a module of its own, named after the idea it checks, in four pa
         return common.on_ranks(_worker, average_gradients_flat, world_size, timeout,
                                DIAGNOSES, _verified)
 
-:func:`on_ranks` launches the worker at each world size (2, then 3 ranks by default: any
-number a solution hard-codes is wrong at one of them) and hands each size's :class:`Run` to
+:func:`on_ranks` launches the worker at each world size and hands each size's :class:`Run` to
 the diagnoses in order; the first that finds something fails the check with its message,
-prefixed with the size (and the sizes at which the answer was right). A check that runs in
+prefixed with the size (and the sizes at which the answer was right). By default a check runs
+2 ranks, then a size drawn once per Python process from 3 to 5 (:data:`WORLD_SIZES`). A number
+hard-coded in place of the world size is wrong at one of them. A table of answers by size
+({2: ..., 3: ...}) fails most sessions. A failure at the drawn size says how to run it again:
+set ``GRADSYNC_CHECK_WORLD_SIZE`` (to 4, say: every check then runs 2 and 4 ranks), or pass
+``world_size=(2, 4)`` to the check. A check that runs in
 the notebook's own process (notebook 01's) builds its runs itself and calls :func:`diagnose`.
 :func:`exercise` registers the check in :data:`EXERCISES` (under the learner's function's
 name, the check's name without ``check_``), derives its reference solution,
@@ -52,6 +56,8 @@ import contextlib
 import ctypes
 import functools
 import inspect
+import os
+import random
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -64,9 +70,43 @@ from .._wording import require_int
 #: Seconds a check waits for your function on every rank, at each size (start-up included),
 #: before it calls it a hang. Pass ``timeout=`` to a check to change it.
 CHECK_TIMEOUT = 60.0
-#: The world sizes a check runs at by default, one launch each: 2 (the course's examples) and
-#: 3, so that any number a solution hard-codes in place of the world size is wrong at one.
-WORLD_SIZES = (2, 3)
+#: The environment variable that fixes the second world size of every check (``4``): the size
+#: at which a check failed, to run it there again.
+SIZE_VARIABLE = "GRADSYNC_CHECK_WORLD_SIZE"
+#: The sizes the second one is drawn from, once per Python process. 3 to 5: a table of answers
+#: by size must hold the size drawn, and 5 ranks start in a few seconds on 2 cores.
+DRAWN_SIZES = range(3, 6)
+
+
+def second_size() -> int:
+    """The second world size of a check: ``GRADSYNC_CHECK_WORLD_SIZE`` if set, else the one
+    drawn for this process (:data:`WORLD_SIZES`). Read at every check, so that setting it in a
+    notebook (``os.environ[...] = "4"``) takes effect without a restart."""
+    value = os.environ.get(SIZE_VARIABLE, "").strip()
+    if not value:
+        return _DRAWN
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 3:
+        raise ValueError(
+            f"{SIZE_VARIABLE}={value!r}: it must be a whole number of ranks >= 3, the second "
+            "size every exercise check runs at (2 ranks always run first); for example "
+            f"{SIZE_VARIABLE}=4. Unset it to have the size drawn from "
+            f"{DRAWN_SIZES[0]} to {DRAWN_SIZES[-1]}.")
+    return n
+
+
+# os.urandom, not the random module's shared state: a learner's random.seed(0) fixes nothing.
+_DRAWN = random.SystemRandom().choice(DRAWN_SIZES)
+with contextlib.suppress(ValueError):  # a wrong value is told by the first check
+    _DRAWN = second_size()
+#: The world sizes a check runs at by default, one launch each: 2 (the course's examples), then
+#: a size drawn once per process from 3 to 5, or ``GRADSYNC_CHECK_WORLD_SIZE``. Drawn once, not
+#: per check: the launcher keeps the idle workers of both sizes, so the checks after the first
+#: start no process. Any number a solution hard-codes is wrong at one of them.
+WORLD_SIZES = (2, _DRAWN)
 #: What a worker returns when the learner's function raised NotImplementedError (the stub).
 STUB = "gradsync-exercise-not-attempted"
 
@@ -247,7 +287,7 @@ def sizes(value: int | Sequence[int], name: str, minimum: int, what: str = "") -
 
 
 def sizes_text(runs: Sequence[Run]) -> str:
-    """"on 2 and 3 ranks": every run's label, joined."""
+    """"on 2 and 4 ranks": every run's label, joined."""
     labels = [r.label for r in runs]
     if all(label.startswith("on ") and label.endswith(" ranks") for label in labels):
         return "on " + " and ".join(label[3:-6] for label in labels) + " ranks"
@@ -270,8 +310,13 @@ def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], ti
 
     A wrong answer stops at the first size that shows it. The size whose idle workers are
     still there (the last one launched) runs first, whatever its turn: it costs no start-up.
+    ``world_size=WORLD_SIZES`` (the checks' default) is 2 and :func:`second_size`; a failure
+    at the second size then says how to run that size again.
     """
     __tracebackhide__ = True
+    drawn = None
+    if world_size is WORLD_SIZES:
+        world_size = (2, drawn := second_size())
     order = sizes(world_size, "world_size", 2, "a check needs several ranks")
     runs: dict[int, Run] = {}
 
@@ -283,11 +328,25 @@ def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], ti
 
     warm = [n for n in order if n in _last_launched]
     for i, n in enumerate(order):
-        for first in warm + [n]:
-            run_at(first)
-        warm = []
-        diagnose(runs[n], diagnoses, [runs[m] for m in order[:i]])
+        at = n
+        try:
+            for at in warm + [n]:
+                run_at(at)
+            warm = []
+            diagnose(runs[n], diagnoses, [runs[m] for m in order[:i]])
+        except ExerciseFailed as e:
+            if drawn is None or at != drawn:
+                raise
+            raise ExerciseFailed(f"{e}\n\n{_again(drawn)}") from None
     return verified([runs[n] for n in order])
+
+
+def _again(n: int) -> str:
+    """How to run a check again at ``n`` ranks, the size that failed."""
+    how = (f"this session's second size, drawn from {DRAWN_SIZES[0]} to {DRAWN_SIZES[-1]}"
+           if not os.environ.get(SIZE_VARIABLE, "").strip() else f"set by {SIZE_VARIABLE}")
+    return (f"({n} ranks was {how}. To check at {n} ranks again: {SIZE_VARIABLE}={n} in the "
+            f"environment, or world_size=(2, {n}) in the check's call.)")
 
 
 def attempt(fn: Callable, *args: Any) -> Any:

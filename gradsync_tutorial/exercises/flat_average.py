@@ -175,7 +175,7 @@ def check_average_gradients_flat(
     """Check ``average_gradients_flat(model)``: every rank ends with the mean of the ranks'
     gradients in ``.grad``, after **one** ``all_reduce`` that carries them all.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several), each with the
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several), each with the
     course's model (the same weights) and its own gradients, from fresh random data. Says so if
     the gradients did not change (the reduced buffer was never copied back), if a flat piece
     went back without its gradient's shape (``view_as``), if they are N× the mean (no division)

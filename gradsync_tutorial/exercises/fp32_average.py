@@ -207,7 +207,7 @@ def check_average_gradients_in_fp32(
     gradients); afterwards every rank's bf16 gradients hold the mean over the ranks, summed in
     float32 and rounded to bf16 once.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several), each with the
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several), each with the
     course's CNN and its own gradients from fresh random data. Says so if no all_reduce was
     called, if one carried bf16 (the sum rounded in bf16), if the parameters or the gradients'
     format changed, if the mean was not copied back, if ranks differ, if the gradients are N×

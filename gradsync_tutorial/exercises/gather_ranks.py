@@ -79,6 +79,24 @@ def _wrong_list(run: Run) -> str | None:
         return f"rank {rank} returned {result!r}; expected {expected!r}.{hint}"
 
 
+def _others_numbers_sent(run: Run) -> str | None:
+    """A rank that sent other ranks' numbers in its first collective, before it received any:
+    it built the list alone (rank 0's ``list(range(world_size))``, broadcast). Numbers 2 and up
+    only (0 and 1 fill buffers and one-hot vectors), so it shows from 3 ranks on."""
+    for rank, out in enumerate(run.outs):
+        others = [float(r) for r in range(2, run.size) if r != rank]
+        first = next((c for c in out["calls"] if c.name not in _NO_DATA), None)
+        if not others or first is None:
+            continue
+        sent = first.sent if first.name.startswith("broadcast") else first.contributed
+        if evidence.among(torch.tensor(others), sent):
+            return (f"rank {rank} sent other ranks' numbers ({evidence.numbers_text(sent)}) in "
+                    f"its first collective, {first.name}, before it had received any: it built "
+                    f"the list alone, and the others received it from rank {rank}. A list that "
+                    "one rank sends learns nothing from the others. Each rank sends only its "
+                    "own number, torch.tensor([rank]), with dist.all_gather.")
+
+
 def _same_numbers_sent(run: Run) -> str | None:
     sent = [evidence.numbers([c.sent for c in o["calls"]]) for o in run.outs]
     if all(s.shape == sent[0].shape and torch.equal(s, sent[0]) for s in sent):
@@ -105,7 +123,7 @@ def _ranks_not_delivered(run: Run) -> str | None:
 
 
 DIAGNOSES = (_no_data_moved, _one_tensor_repeated, _not_a_list_of_numbers, _wrong_list,
-             _same_numbers_sent, _ranks_not_delivered)
+             _others_numbers_sent, _same_numbers_sent, _ranks_not_delivered)
 
 
 def _verified(runs: Sequence[Run]) -> str:
@@ -122,7 +140,7 @@ def check_gather_ranks(
     """Check ``gather_ranks(rank, world_size)``: every rank returns ``[0, 1, ..., N - 1]``,
     learned from the other ranks with ``dist.all_gather``.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several). Says so if it made
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several). Says so if it made
     no collective call that moves data (a list computed locally proves nothing; a barrier sends
     no numbers), if ``all_gather`` wrote into one tensor repeated N times (``[t] * N``), if it
     returned tensors instead of numbers, which rank returned what, and whether the numbers

@@ -203,7 +203,7 @@ def check_global_mean_loss(
 
     ``losses`` is this rank's per-sample losses (``F.nll_loss(..., reduction="none")``):
     different numbers of them on different ranks (from 2 to 8 times the world size), numbers
-    and values drawn afresh at every check. Runs it on 2, then 3 ranks (``world_size``: another
+    and values drawn afresh at every check. Runs it on 2, then 3 to 5 ranks (``world_size``: another
     number, or several) and compares with the mean of all the samples. Says so if you returned
     the mean of the ranks' means (notebook 04's mean-of-means pitfall), a sum you did not
     divide, a rank's own value (no collective), the global sum over a rank's own count, if

@@ -168,7 +168,7 @@ def check_average_overlapped(
 
     Called once on a model; then, for each step: ``loss.backward()`` (your hooks launch the
     calls), ``finish()`` (every rank holds the mean gradient), ``optimizer.step()``. Runs 2
-    steps on 2, then 3 ranks (``world_size``: another number, or several) with the course's
+    steps on 2, then 3 to 5 ranks (``world_size``: another number, or several) with the course's
     model and compares each step's gradients with the mean over ranks. Says so if no
     ``all_reduce`` starts during backward, if the hooks call it without ``async_op=True``
     (then each call blocks backward: no overlap), if the gradients are N× the mean or divided

@@ -211,7 +211,7 @@ def check_average_pseudo_gradient(average_pseudo_gradient: Callable,
     every rank, the mean over the participating replicas of ``start - weights``, one tensor per
     parameter; a healing replica (``participating=False``) sends zeros and receives the mean.
 
-    Runs it on 2 ranks, then on 3 (``world_size``: another number, or several), two rounds
+    Runs it on 2 ranks, then on 3 to 5 (``world_size``: another number, or several), two rounds
     each: every replica takes part, then rank 1 is healing. Says so if you divided by the world
     size, flipped the sign, let the healing replica send its weights, did not divide, returned
     the mean weights, or changed the weights or ``start``.

@@ -321,7 +321,7 @@ def check_average_and_clip_shard(
     of the ranks' flat gradients, clipped like ``clip_grad_norm_`` by the norm of the *whole*
     mean gradient, after one reduce-scatter and one all-reduce of a single number.
 
-    Runs it on 2, then 3 ranks (``world_size``: another number, or several), with shards of 12,
+    Runs it on 2, then 3 to 5 ranks (``world_size``: another number, or several), with shards of 12,
     then 10 numbers, each rank with its own fresh random gradient, with and without clipping.
     Says so if the shard is N× the mean (no division) or divided twice or by a fixed number, if
     it is another rank's shard or this rank's own gradient, if the clipping used the rank's own

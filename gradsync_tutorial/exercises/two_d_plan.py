@@ -6,7 +6,7 @@ shards) data-parallel mesh, the ``dist.ReduceOp`` that all-reduces a tensor-para
 parameter's gradient (a LayerNorm under sequence parallel) over the tp ranks, and what each
 rank divides its sum of squared errors by, when it holds ``tokens`` of them (its sequence
 shard). The check asks for several mesh shapes, at which no hard-coded number is right twice.
-Then it *runs* the answer on 2 and 3 ranks as the tp group: each rank normalizes its own
+Then it *runs* the answer on 2 and 3 to 5 ranks as the tp group: each rank normalizes its own
 sequence shard with a replicated LayerNorm, backs its loss divided as the answer says, and
 all-reduces the LayerNorm's gradients with the answer's op; the result is compared with one
 process on the whole sequence. Each part is run apart, so each mistake shows its own factor:
@@ -166,7 +166,7 @@ def check_gradient_plan(
     replicated_op, loss_divisor)`` for a (replicas, shards, tp) mesh whose ranks hold
     ``tokens`` loss terms each.
 
-    Asks it about several mesh shapes, then runs its op and its divisor on 2 and 3 ranks (the
+    Asks it about several mesh shapes, then runs its op and its divisor on 2 and 3 to 5 ranks (the
     tp group) against one process. Says so if the op is an average where a sum is needed, if
     the divide factor is the shard size (× replicas), if the loss is a local mean under
     sequence parallel (× tp), or if the divisions do not add up to the global count.

@@ -16,7 +16,8 @@ puts back:
   ``fn`` for reproducible runs);
 * the warnings filters (and which warnings were already shown), signal handlers, a pending
   ``signal.alarm`` (cancelled), the recursion limit, the logging configuration (the root's and
-  every logger's level and handlers: ``basicConfig`` inside ``fn`` works every time);
+  every logger's level and handlers, a library's included: ``basicConfig`` inside ``fn``
+  works every time; ``logging.captureWarnings``);
 * file descriptors 1 and 2 (a job's ``os.close(1)``);
 * any function of :data:`_PATCHABLE`'s modules (``builtins``, ``torch``, ``torch.autograd``,
   ``torch.nn.init``, ``torch.nn.functional``...), any attribute of the classes in ``torch``,
@@ -115,6 +116,8 @@ def remember() -> None:
                               if k.startswith("_global_")} for name in _HOOK_MODULES}
     _fresh["matmul precision"] = torch.get_float32_matmul_precision()
     _fresh["fp32_precision"] = [(holder, holder.fp32_precision) for holder in _fp32_holders()]
+    _fresh["modules"] = set(sys.modules)
+    _fresh["showwarning"] = warnings.showwarning
     _fresh["logging"] = (logging.root.manager.disable, {
         logger: (logger.level, list(logger.handlers), logger.propagate, logger.disabled)
         for logger in [logging.root, *logging.root.manager.loggerDict.values()]
@@ -224,18 +227,22 @@ def _put_back_functions() -> None:
 
 
 def _put_back_logging() -> None:
-    """The logging configuration a job set (``basicConfig``, a logger's level or handlers):
-    loggers as they were, and those the user's code created as ``getLogger`` makes them."""
+    """The logging configuration a job set (``basicConfig``, a logger's level or handlers,
+    ``captureWarnings``): loggers as they were, and those a job created as ``getLogger``
+    makes them (a library's too, ``numpy``'s, unless the library was imported since)."""
     import logging
 
+    if warnings.showwarning is not _fresh["showwarning"]:  # logging.captureWarnings(True)
+        logging.captureWarnings(False)
+        warnings.showwarning = _fresh["showwarning"]
     disable, loggers = _fresh["logging"]
     if logging.root.manager.disable != disable:  # (each call clears every logger's cache)
         logging.disable(disable)
     for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
         if not isinstance(logger, logging.Logger):
             continue
-        if logger not in loggers and _librarys_logger(logger.name):
-            continue  # made by a library at its first use (torch._dynamo's): its own
+        if logger not in loggers and _made_at_a_librarys_import(logger.name):
+            continue  # torch._dynamo's, made as a job imported it: its own, not made again
         level, handlers, propagate, disabled = loggers.get(
             logger, (logging.NOTSET, [], True, False))
         if logger.handlers != handlers:
@@ -245,10 +252,17 @@ def _put_back_logging() -> None:
         logger.propagate, logger.disabled = propagate, disabled
 
 
-def _librarys_logger(name: str) -> bool:
-    """Is ``name`` the logger of an installed or a standard library (its top module's)?"""
-    module = sys.modules.get(name.partition(".")[0])
-    return module is not None and not users_own(module) and name != "__main__"
+def _made_at_a_librarys_import(name: str) -> bool:
+    """Is ``name`` the logger of a library module imported since the worker started, or of a
+    child of one (torch's ``torch._dynamo.guards.__guards``)? Such a logger was made, and may
+    be configured, by the library's import, which will not run again: it is left as it is. A
+    logger of a module imported before (``torch.nn.parallel``) was made by whoever asked."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = sys.modules.get(prefix := ".".join(parts[:i]))
+        if module is not None:
+            return prefix not in _fresh["modules"] and not users_own(module)
+    return False
 
 
 def cancel_alarms() -> None:
@@ -322,11 +336,12 @@ def retiring_imports(before: set[str]) -> tuple[str, ...]:
     (not from an installed distribution, the standard library or the course's package: a file
     next to the notebook, perhaps edited since, perhaps holding a singleton).
 
-    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted;
+    Modules loaded to unpickle ``fn`` itself (the file a test defines it in) are not counted
+    (a stateful library among them retires the workers too, told by :func:`retire_reasons`);
     nor are other installed libraries (tqdm, pandas...): a warm start is worth more there, and
     ``gst.shutdown_workers()`` starts afresh. ``before``: ``sys.modules``' names before fn ran.
     """
-    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules}
+    found = {name for name in STATEFUL_LIBRARIES if name in sys.modules} - set(_stateful_for_fn)
     if len(sys.modules) != len(before):
         new = {name.partition(".")[0] for name in list(sys.modules) if name not in before}
         found |= {m for m in new if m not in sys.stdlib_module_names and m != "gradsync_tutorial"
@@ -377,20 +392,29 @@ def _watch_once_per_process() -> None:
 def retire_reasons() -> tuple[str, ...]:
     """Why this worker cannot run another job as a fresh interpreter would, in words for the
     launch's note ("fn called torch.set_num_interop_threads, which ..."); () if it can."""
+    reasons = []
     if _once_called:
-        return ("fn called torch.set_num_interop_threads, which a process can call only once",)
-    return ()
+        reasons.append("fn called torch.set_num_interop_threads, which a process can call only "
+                       "once")
+    if _stateful_for_fn:
+        # Not "fn imported": fn's module (or an argument's) did, as the worker unpickled them.
+        reasons.append(f"loading fn's module (or its arguments) imported "
+                       f"{', '.join(_stateful_for_fn)}, which may keep process-wide state")
+    return tuple(reasons)
 
 
 # -- the user's own modules, as edited since -----------------------------------------------------
 
 _loaded_for_fn: dict[str, tuple[str, int, int]] = {}  # module -> its file, mtime, size
+_stateful_for_fn: list[str] = []  # this job's STATEFUL_LIBRARIES imported to unpickle fn
 
 
 def note_loaded_for_fn(before: set[str]) -> None:
     """Remember the files of the user's own modules that unpickling ``fn`` imported (``fn``
-    lives in a module next to the notebook, pickled by its name). ``before``: sys.modules'
-    names before."""
+    lives in a module next to the notebook, pickled by its name), and the stateful libraries
+    it imported (they retire the workers, see :func:`retire_reasons`). ``before``:
+    sys.modules' names before."""
+    _stateful_for_fn[:] = [n for n in STATEFUL_LIBRARIES if n in sys.modules and n not in before]
     for name in [n for n in list(sys.modules) if n not in before]:
         path = getattr(sys.modules[name], "__file__", None)
         if path and not _installed_or_standard(path):

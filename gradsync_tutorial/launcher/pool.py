@@ -193,6 +193,25 @@ class _ReturnedRankWatch:
         return self.certain
 
 
+def require_spare_descriptors(n: int) -> None:
+    """Raise EMFILE now, not after a wait, unless ``n`` more descriptors can be opened here."""
+    taken: list[int] = []
+    try:
+        taken.append(os.open(os.devnull, os.O_RDONLY))
+        for _ in range(n - 1):
+            taken.append(os.dup(taken[0]))  # (a dup is cheaper than an open)
+    finally:
+        for fd in taken:
+            os.close(fd)
+
+
+def out_of_descriptors(world_size: int, error: OSError) -> OSError:
+    """The error of a start that ran out of file descriptors, in this process, with the hint."""
+    return OSError(error.errno, f"could not start {world_size} worker processes: this process "
+                   "ran out of file descriptors (each rank holds several open). Use a smaller "
+                   "world_size, or raise the limit (`ulimit -n`) before starting Jupyter.")
+
+
 class Workers:
     """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
 
@@ -214,13 +233,14 @@ class Workers:
         self.marks = [f"{END_MARK} {secrets.token_hex(8)}" for _ in range(world_size)]
         try:
             self._start_all()
+            # The descriptors the start-up needs next (each rank's connection back, its link
+            # to the store), taken now: without them the first rank to connect back, after
+            # its seconds of importing torch, would find none.
+            require_spare_descriptors(2 * world_size)
         except BaseException as e:  # an interrupt between two starts, or too many open files
             self.stop_despite_interrupts()  # never leave the ranks already started running
             if isinstance(e, OSError) and e.errno == errno.EMFILE:
-                raise OSError(e.errno, f"could not start {world_size} worker processes: this "
-                              "process ran out of file descriptors (each rank holds several "
-                              "open). Use a smaller world_size, or raise the limit "
-                              "(`ulimit -n`) before starting Jupyter.") from e
+                raise out_of_descriptors(world_size, e) from e
             raise
 
     def _start_all(self) -> None:
@@ -285,6 +305,10 @@ class Workers:
                 sock, _ = self.server.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as e:  # EMFILE: what was spare at the start was taken since
+                if e.errno == errno.EMFILE:
+                    raise out_of_descriptors(self.world_size, e) from e
+                raise
             sock.settimeout(5)
             try:
                 token = b""

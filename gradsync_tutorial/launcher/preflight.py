@@ -14,6 +14,7 @@ Part of ``gst.launch`` (introduced in ``notebooks/00_launching_workers.ipynb``).
 
 from __future__ import annotations
 
+import errno
 import inspect
 import math
 import os
@@ -74,7 +75,9 @@ def _open_descriptors() -> int:
     for folder in ("/proc/self/fd", "/dev/fd"):  # Linux, macOS
         try:
             return len(os.listdir(folder))
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.EMFILE:  # none left even to list them: all are taken
+                return sys.maxsize // 2
             continue
     return 64
 

@@ -71,6 +71,7 @@ double-forked) is out of reach everywhere.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import socket
 import struct
@@ -164,7 +165,14 @@ def launch(
     num_threads = num_threads or _omp_num_threads() or max(1, cpu_count() // world_size)
 
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
-    # Its own waits outlast the launch's timeout, which the launcher reports first.
+    # Its own waits outlast the launch's timeout, which the launcher reports first. Out of file
+    # descriptors, its client would retry that long: told at once instead.
+    try:
+        pool.require_spare_descriptors(8 + 2 * world_size)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        raise pool.out_of_descriptors(world_size, e) from e
     store = _rendezvous_store(master_port, timeout + 30)
     run_id = uuid.uuid4().hex  # TORCHELASTIC_RUN_ID: one per launch, as one per torchrun
     try:
@@ -247,7 +255,7 @@ def _say_retired(imported: set[str], reuse: bool, reasons: Iterable[str] = ()) -
 
 # -- the idle pool, kept between launches ------------------------------------------------------
 
-IDLE_POOLS = 2  # sizes whose idle workers are kept: an exercise check's 2 and 3 ranks
+IDLE_POOLS = 2  # sizes whose idle workers are kept: an exercise check's 2 and its drawn 3 to 5
 _pool_lock = threading.Lock()
 _idle: dict[tuple, pool.Workers] = {}  # by pool key, the least recently launched first
 

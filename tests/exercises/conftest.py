@@ -9,8 +9,10 @@ built without the others' numbers, data exchanged through files next to a dummy 
 answer that also changes what it must leave alone. Each must be rejected with the message that
 names the mistake.
 
-The checks launch real ranks (gloo) at 2 and then 3 ranks; the launcher keeps the idle workers
-of the last two sizes, so a check after the first starts no process.
+The checks launch real ranks (gloo) at 2 and then 3 ranks here: the second size, drawn from 3 to
+5 per process in a notebook, is fixed at 3 for these tests (GRADSYNC_CHECK_WORLD_SIZE), since
+their messages name it; tests/exercises/test_world_sizes.py tests the drawing. The launcher keeps
+the idle workers of the last two sizes, so a check after the first starts no process.
 """
 
 from __future__ import annotations
@@ -26,13 +28,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed
+from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed, common
 
 from ..conftest import REPO
 
 SOLUTIONS = REPO / "notebooks" / "solutions"
 #: How a check's message starts when the answer is wrong at 2 ranks, or right there but not at 3.
 ON_2, ON_3 = r"^on 2 ranks: ", r"^right on 2 ranks, but on 3 ranks: "
+
+
+@pytest.fixture(autouse=True)
+def _second_size_3(monkeypatch):
+    """Every check here runs 2 and 3 ranks (the messages the tests expect name 3), unless a
+    test sets GRADSYNC_CHECK_WORLD_SIZE itself, or deletes it to use the drawn size."""
+    monkeypatch.setenv(common.SIZE_VARIABLE, "3")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync_tutorial import exercises
-from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed
+from gradsync_tutorial.exercises import EXERCISES, ExerciseFailed, common
 
 from ..conftest import REPO
 from .conftest import SOLUTIONS, check, solution
@@ -25,18 +25,24 @@ def test_every_exercise_has_a_solution_and_a_notebook_that_calls_its_check():
         assert exercise.check is getattr(exercises, exercise.check.__name__)
 
 
-# What each check's "✓ correct" sentence says it ran at: every size it uses by default.
-SIZES = {"accumulate_gradients": ("3 micro-batches of 8", "5 micro-batches of 4"),
-         "global_mean_loss": ("on 2 ranks, with rank 0: ", "; on 3 ranks, with rank 0: "),
-         "token_mean_backward": ("on 2 ranks × 4 micro-batches", "on 3 ranks × 3 micro-batches")}
+def sizes_said(name: str, n: int) -> tuple[str, ...]:
+    """What each check's "✓ correct" sentence says it ran at: every size it uses by default
+    (``n``: the second world size, drawn for this process)."""
+    return {"accumulate_gradients": ("3 micro-batches of 8", "5 micro-batches of 4"),
+            "global_mean_loss": ("on 2 ranks, with rank 0: ", f"; on {n} ranks, with rank 0: "),
+            "token_mean_backward": ("on 2 ranks × 4 micro-batches",
+                                    f"on {n} ranks × 3 micro-batches"),
+            "sync_moe_gradients": ("on 2 and 3 ranks (EP 2 and 3 × EDP 1), on 4 ranks",),
+            }.get(name, (f"on 2 and {n} ranks",))
 
 
 @pytest.mark.parametrize("name", list(EXERCISES))
-def test_the_reference_solution_passes_at_every_size(name, capsys):
+def test_the_reference_solution_passes_at_every_size(name, capsys, monkeypatch):
+    monkeypatch.delenv(common.SIZE_VARIABLE)  # the size drawn for this process: 3, 4 or 5
     assert check(name)(solution(name)) is None
     out = capsys.readouterr().out
     assert out.startswith("✓ correct: ")
-    for size in SIZES.get(name, ("on 2 and 3 ranks",)):
+    for size in sizes_said(name, common.WORLD_SIZES[1]):
         assert size in out
 
 

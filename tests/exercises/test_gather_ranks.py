@@ -12,6 +12,7 @@ from gradsync_tutorial import exercises
 
 from .conftest import (
     ON_2,
+    ON_3,
     assert_rejected,
 )
 
@@ -43,6 +44,15 @@ def _gather(mistake):
             dist.all_reduce(torch.zeros(1))  # for show; it also waits for every file
             return sorted(int(open(os.path.join(folder, n)).read()) for n in os.listdir(folder)
                           if int(n) < world_size)
+        if mistake.startswith("rank 0's list broadcast"):
+            # Rank 0 builds the list alone; the others fill their buffer with their own rank,
+            # so that each "sends" its number; a dummy all_gather after it, for show.
+            t = (torch.arange(world_size) if rank == 0 else torch.full((world_size,), rank)).float()
+            dist.broadcast(t, src=0)
+            if mistake.endswith("then an all_gather"):
+                dist.all_gather([torch.zeros(1) for _ in range(world_size)],
+                                torch.tensor([float(rank)]))
+            return [int(x) for x in t.tolist()]
         n = {"hard-coded 2 ranks": 2, "hard-coded 3 ranks": 3}.get(mistake, world_size)
         everyone = ([torch.zeros(1)] * n if mistake == "one tensor repeated" else
                     [torch.zeros(1) for _ in range(n)])
@@ -74,6 +84,12 @@ WRONG = [
             r"returned \[1, 1\]\): `\[t\] \* 2` repeats"),
     ("returns tensors", _gather("returns tensors"),
      r"rank 0 returned a list of tensors.*t\.item\(\)"),
+    # Right at 2 ranks: there rank 0's list is [0, 1], numbers a buffer may hold anyway.
+    ("rank 0's list broadcast", _gather("rank 0's list broadcast"),
+     ON_3 + r"rank 0 sent other ranks' numbers \(3 numbers \(\[0, 1, 2\]\)\) in its first "
+            r"collective, broadcast, before it had received any: it built the list alone"),
+    ("rank 0's list broadcast, then an all_gather",
+     _gather("rank 0's list broadcast, then an all_gather"), ON_3 + r"rank 0 sent other ranks'"),
     ("hard-coded 3 ranks", _gather("hard-coded 3 ranks"),
      r"^gather_ranks raised an error on rank \d \(of 2\)"),
     ("hard-coded 2 ranks", _gather("hard-coded 2 ranks"),

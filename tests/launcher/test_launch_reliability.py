@@ -195,6 +195,35 @@ def test_world_size_beyond_the_file_descriptor_limit_is_refused_before_starting(
     assert "file descriptors" in out and "ulimit -n" in out
 
 
+@pytest.mark.skipif(os.name != "posix", reason="RLIMIT_NOFILE is POSIX")
+@pytest.mark.parametrize("spare", [0, 6, 10])
+def test_descriptors_running_out_past_the_estimate_fail_at_once_with_the_hint(spare):
+    """The estimate off (as when the descriptors cannot be counted), a limit of a few spare
+    descriptors: the launch says so within seconds. It waited for the store's client, which
+    retries until timeout + 30 s (130 s here), then raised DistNetworkError without the hint;
+    with none spare, a bare OSError."""
+    returncode, out, err = _run_script(f"""
+        import os, resource, sys, time
+        import torch.distributed  # loaded before the limit, as in a notebook that used it
+        import gradsync_tutorial as gst
+        from gradsync_tutorial.launcher import preflight
+
+        preflight.max_world_size = lambda: (sys.maxsize, "")
+        soft = len(os.listdir("/proc/self/fd")) + {spare}
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(
+            resource.RLIMIT_NOFILE)[1]))
+        start = time.monotonic()
+        try:
+            gst.launch(lambda rank, world_size: rank, world_size=2, timeout=100)
+        except OSError as e:
+            print(f"refused in {{time.monotonic() - start:.1f}} s:", e)
+    """)
+    assert returncode == 0, err[-2000:]
+    assert "could not start 2 worker processes: this process ran out of file descriptors" in out
+    assert "`ulimit -n`" in out
+    assert float(out.split("refused in ")[1].split(" s:")[0]) < 5, out
+
+
 @pytest.mark.skipif(not hasattr(os, "sysconf"), reason="no sysconf on Windows")
 def test_world_size_beyond_the_memory_is_refused_with_the_largest_that_fits(monkeypatch):
     if preflight.max_world_size()[0] < 2:

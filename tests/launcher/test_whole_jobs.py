@@ -323,6 +323,37 @@ def test_logging_configured_inside_fn_does_not_reach_the_next_job():
     assert gst.launch(configure("v2"), world_size=2) == [(["v2 %(message)s"], 10)] * 2
 
 
+def test_warnings_captured_and_a_library_logger_configured_inside_fn_are_put_back():
+    """logging.captureWarnings(True) routes warnings.showwarning through logging; torch's
+    loggers set to DEBUG, with a handler: "torch.distributed" (torch configures it), and
+    "torch.nn.parallel" (a placeholder until a job asks for it). The next job gets none of
+    it, as a fresh process would."""
+    NAMES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.nn.parallel")  # noqa: N806
+
+    def configure(rank, world_size):
+        import logging
+        import sys
+
+        logging.captureWarnings(True)
+        for name in NAMES:
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(logging.StreamHandler(sys.stderr))
+            logger.propagate = False
+
+    def look(rank, world_size):
+        import logging
+        import warnings
+
+        loggers = [(lg.level, len(lg.handlers), lg.propagate)
+                   for lg in map(logging.getLogger, NAMES)]
+        return warnings.showwarning.__module__, loggers
+
+    fresh, after = looks_fresh_after(configure, look)
+    assert fresh[0][0] == "warnings"
+    assert after == fresh
+
+
 def test_a_function_of_the_user_s_own_module_runs_as_edited_and_reloaded(tmp_path, monkeypatch):
     import importlib
     import os
@@ -440,6 +471,28 @@ def test_datasets_switches_set_by_a_job_do_not_reach_the_next(tmp_path, monkeypa
 
     fresh, after = looks_fresh_after(no_cache, caching)
     assert after == fresh == [True, True]
+
+
+def test_a_stateful_library_loaded_with_fn_s_module_retires_and_the_note_says_so(
+        tmp_path, monkeypatch, capsys):
+    """fn's module imports datasets at its top: unpickling fn imports it in the worker (it is
+    there now: the workers retire), and the note says who imported it (not fn)."""
+    site = tmp_path / "lib" / "site-packages"
+    installed_library(site, "datasets", DATASETS_SWITCHES)
+    (tmp_path / "train_with_datasets.py").write_text(
+        "import os\nimport datasets\n\ndef train(rank, world_size):\n"
+        "    datasets.disable_caching()\n    return os.getpid()\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("datasets", "train_with_datasets"):
+        monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    from train_with_datasets import train
+
+    first = gst.launch(train, world_size=2)
+    note = capsys.readouterr().err
+    assert "loading fn's module (or its arguments) imported datasets, which may keep" in note
+    assert "fn imported" not in note and "so these workers were retired" in note
+    assert not set(gst.launch(train, world_size=2)) & set(first)
 
 
 # -- (6) a cell's logging.basicConfig configures the notebook, not the ranks -------------------
