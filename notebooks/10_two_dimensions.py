@@ -89,17 +89,20 @@ def ratio(grads, reference):
 # %% [markdown]
 # ## Meshes and placements
 #
-# A **device mesh** arranges the ranks on a grid with named dimensions. `init_device_mesh("cpu",
-# (2, 2), mesh_dim_names=("replicate", "shard"))` puts ranks 0 to 3 on a 2 × 2 grid. Each row
-# and each column is a process group of its own. A **DTensor** stores, for each mesh dimension,
-# a **placement**: **Shard(d)** (each rank holds a slice along dimension d), **Replicate()**
-# (each rank holds the whole tensor) or **Partial()** (each rank holds a term; the tensor is
-# their pending sum). Redistributing a Partial to Replicate runs the all-reduce.
+# A **device mesh** arranges the ranks on a grid with named dimensions. `init_device_mesh(
+# device.type, (2, 2), mesh_dim_names=("replicate", "shard"))` puts ranks 0 to 3 on a 2 × 2
+# grid. With `device = gst.local_device()`, as in notebook 08, the type is "cpu" with gloo and
+# "cuda" with nccl. Each row and each column is a process group of its own. A **DTensor**
+# stores, for each mesh dimension, a **placement**: **Shard(d)** (each rank holds a slice along
+# dimension d), **Replicate()** (each rank holds the whole tensor) or **Partial()** (each rank
+# holds a term; the tensor is their pending sum). Redistributing a Partial to Replicate runs the
+# all-reduce.
 
 # %%
 def placements(rank, world_size):
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    mine = torch.tensor([1.0, 10.0], device=gst.local_device()) * (rank + 1)
+    device = gst.local_device()  # a GPU if there is one per rank, else the CPU
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+    mine = torch.tensor([1.0, 10.0], device=device) * (rank + 1)
     pending_sum = DTensor.from_local(mine, mesh, [Partial()], run_check=False)
     pending_avg = DTensor.from_local(mine, mesh, [Partial("avg")], run_check=False)
     return {"Partial() -> Replicate()": pending_sum.redistribute(mesh, [Replicate()]).to_local(),
@@ -135,13 +138,15 @@ tp_reference = one_process(tp_mlp, lambda m: F.mse_loss(m(XT), YT), lr=0.1)
 
 def tensor_parallel(rank, world_size):
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    model = parallelize_module(copy.deepcopy(tp_mlp), mesh,
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+    model = parallelize_module(copy.deepcopy(tp_mlp).to(device), mesh,
                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x, y = XT.to(device), YT.to(device)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         sgd.zero_grad()
-        F.mse_loss(model(XT), YT).backward()  # the same batch on every TP rank
+        F.mse_loss(model(x), y).backward()  # the same batch on every TP rank
         if step == 0:
             grads = {n: full(p.grad) for n, p in model.named_parameters()}
             kinds = {n: str(p.grad.placements) for n, p in model.named_parameters()}
@@ -218,10 +223,12 @@ SP_PLAN = {"w1": ColwiseParallel(input_layouts=Shard(1)),
 def sequence_parallel(rank, world_size, dtensor_norm=True, sync_norm=None):
     """SP block on the TP group: the first gradients (whole and local), norm, params after."""
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
     plan = dict(SP_PLAN, norm=SequenceParallel()) if dtensor_norm else SP_PLAN
-    model = parallelize_module(copy.deepcopy(block), mesh, plan)
+    model = parallelize_module(copy.deepcopy(block).to(device), mesh, plan)
     x, y = XS.chunk(world_size, dim=1)[rank], YS.chunk(world_size, dim=1)[rank]  # my tokens
+    x, y = x.to(device), y.to(device)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         sgd.zero_grad()
@@ -323,8 +330,10 @@ def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch
          dtype=torch.float64, loss_scale=1.0):
     """HSDP on MESH_SHAPE: the first gradients and the parameters after STEPS steps."""
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("replicate", "shard"))
-    model = copy.deepcopy(mlp).to(dtype)
+    # gst.local_device(), but the CPU in a launch with backend="gloo" (the float32 cells below)
+    device = gst.local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("replicate", "shard"))
+    model = copy.deepcopy(mlp).to(device, dtype)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -332,7 +341,7 @@ def hsdp(rank, world_size, factor=None, micro_batches=1, sync="every micro-batch
         for module in (model[0], model[2], model):
             module.set_gradient_divide_factor(factor)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = X.chunk(world_size)[rank].to(dtype), Y.chunk(world_size)[rank].to(dtype)  # 4 a rank
+    x, y = X.chunk(world_size)[rank].to(device, dtype), Y.chunk(world_size)[rank].to(device, dtype)
     for step in range(STEPS):
         sgd.zero_grad()
         for k, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
@@ -393,10 +402,11 @@ assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12
 #
 # ### In float32, gloo refuses a divide factor
 #
-# Every factor above worked on gloo because float64 takes FSDP2's SUM path. In float32, FSDP2
-# sends a factor other than the shard size as `ReduceOp.PREMUL_SUM` (notebook 08 reads the
-# source that picks it). Gloo has no `PREMUL_SUM`. Here is the sum, factor 1, in float32. It
-# gets a launch of its own, since a failed collective breaks its process group.
+# Every factor above worked, on gloo as on nccl, because float64 takes FSDP2's SUM path. In
+# float32, FSDP2 sends a factor other than the shard size as `ReduceOp.PREMUL_SUM` (notebook 08
+# reads the source that picks it). Gloo has no `PREMUL_SUM`. Here is the sum, factor 1, in
+# float32. It gets a launch of its own, since a failed collective breaks its process group.
+# This cell and the next launch gloo even with GPUs: nccl has `PREMUL_SUM`, the refusal is gloo's.
 
 # %%
 try:
@@ -441,15 +451,17 @@ fsdp_tp_reference = one_process(block, lambda m: ((m(XB) - YB) ** 2).mean())
 
 def fsdp_tp(rank, world_size, loss="sum / data-rank count", factor=None):
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("dp", "tp"))
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    model = parallelize_module(copy.deepcopy(block), mesh["tp"],
+    model = parallelize_module(copy.deepcopy(block).to(device), mesh["tp"],
                                dict(SP_PLAN, norm=SequenceParallel()))
     fully_shard(model, mesh=mesh["dp"])
     if factor is not None:
         model.set_gradient_divide_factor(factor)  # one fully_shard: the root only
     rows_x, rows_y = XB.chunk(MESH_SHAPE[0])[d], YB.chunk(MESH_SHAPE[0])[d]
     x, y = rows_x.chunk(MESH_SHAPE[1], dim=1)[t], rows_y.chunk(MESH_SHAPE[1], dim=1)[t]
+    x, y = x.to(device), y.to(device)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         sgd.zero_grad()
@@ -527,18 +539,20 @@ def context_parallel_run(rank, world_size, count_over="dp × cp"):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "cp"))
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("dp", "cp"))
     count_group = None if count_over == "dp × cp" else mesh.get_group("dp")  # None: every rank
     d = mesh.get_local_rank("dp")
-    model = copy.deepcopy(attention)
+    model = copy.deepcopy(attention).to(device)
     sgd = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         sgd.zero_grad()
-        x, y = XC.chunk(MESH_SHAPE[0])[d].clone(), YC.chunk(MESH_SHAPE[0])[d].clone()  # my rows
+        x = XC.chunk(MESH_SHAPE[0])[d].to(device, copy=True)  # my rows, a copy: CP shards it
+        y = YC.chunk(MESH_SHAPE[0])[d].to(device, copy=True)  # in place
         with sdpa_kernel(SDPBackend.MATH), context_parallel(
                 mesh["cp"], buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
             per_token = ((model(x) - y) ** 2).mean(-1)  # x, y: now my share of the sequence
-            tokens = torch.tensor(float(per_token.numel()))
+            tokens = torch.tensor(float(per_token.numel()), device=device)
             dist.all_reduce(tokens, group=count_group)  # the token count
             (per_token.sum() / tokens).backward()
         for p in model.parameters():
@@ -598,12 +612,13 @@ def reduce_dtypes(rank, world_size):
     import torch.distributed._functional_collectives as funcol  # what DTensor calls
 
     float64_and_quiet()
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(copy.deepcopy(block).float(), mesh["tp"],
+    device = gst.local_device()
+    mesh = init_device_mesh(device.type, MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(copy.deepcopy(block).to(device, torch.float32), mesh["tp"],
                                dict(SP_PLAN, norm=SequenceParallel()))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
-    out = model(torch.randn(2, 2, 4, dtype=torch.float32))
+    out = model(torch.randn(2, 2, 4, dtype=torch.float32, device=device))
     seen = collections.Counter()
     all_reduce, scatter = funcol.all_reduce, getattr(dist, reduce_scatter)
 

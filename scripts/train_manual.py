@@ -10,9 +10,10 @@ Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) 
 per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
 with no edits. Each is a deliberate lesson copy of the other, so ``diff
 scripts/train_manual.py scripts/train_ddp.py`` is exactly what DDP changes. Each needs the
-course's package (``gradsync_tutorial``) for the data, the model and the final check. Notebook
-06 (notebooks/06_from_notebook_to_torchrun.ipynb) runs train_ddp.py and checks that it gives the
-same parameters as ``gst.launch``, and that a resumed run equals a straight one.
+course's package (``gradsync_tutorial``) for the data, the model, the check of the checkpoint's
+path and the final check. Notebook 06 (notebooks/06_from_notebook_to_torchrun.ipynb) runs
+train_ddp.py and checks that it gives the same parameters as ``gst.launch``, and that a resumed
+run equals a straight one.
 
 What a rank does, in order:
 
@@ -33,7 +34,6 @@ import argparse
 import gc
 import os
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from gradsync_tutorial import local_device
+from gradsync_tutorial.checkpoints import unwritable
 from gradsync_tutorial.checks import max_diff_across_ranks
 from gradsync_tutorial.data import DATASETS, ensure_files, load
 from gradsync_tutorial.model import Net
@@ -88,21 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--batch-size {args.batch_size} is the global batch, split evenly over "
                      f"{world_size} ranks: give a multiple of {world_size}")
     return args
-
-
-def unwritable(path: str) -> str | None:
-    """Why a checkpoint cannot be saved to ``path`` (its folder is created if missing), else
-    None: checked before training, so that a whole epoch is not lost to it."""
-    if Path(path).is_dir():
-        return f"it is a folder: give a file in it, such as {Path(path) / 'checkpoint.pt'}"
-    folder = Path(path).absolute().parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()  # what rank 0's torch.save will need
-    except OSError as e:
-        return (f"a file cannot be written in {folder} ({e.strerror or e}): give a path in a "
-                "folder you may write to")
-    return None
 
 
 def init_distributed() -> torch.device:

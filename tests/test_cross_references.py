@@ -8,6 +8,7 @@ prose, so editing a notebook's text does not break them.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -134,3 +135,33 @@ def _anchor(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
     return text.replace(" ", "-")
+
+
+# A traceback quoted in the docs:   File "scripts/train_ddp.py", line 307, in main
+#                                     train(args)
+QUOTED_FRAME = re.compile(r'^\s*File "((?:scripts|gradsync_tutorial)/[\w/]+\.py)", line (\d+), '
+                          r"in (\w+)\n\s*(\S.*)$", re.M)
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _enclosing_function(source: str, line: int) -> str | None:
+    """The name of the innermost def around ``line`` (1-based), None at module level."""
+    found = None
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.lineno <= line <= node.end_lineno
+                and (found is None or node.lineno > found.lineno)):
+            found = node
+    return found.name if found else None
+
+
+def test_the_docs_quote_tracebacks_at_the_lines_the_code_has_now():
+    """Moving code in a script must not leave a quoted traceback pointing at another line."""
+    frames = [(doc, *m.groups()) for doc in DOCS for m in QUOTED_FRAME.finditer(_text(doc))]
+    assert frames, "docs/cluster.md quotes torchrun's summary of scripts/fail_rank.py"
+    for doc, path, line, function, code in frames:
+        source = _text(REPO / path)
+        where = f'{doc.name} quotes File "{path}", line {line}, in {function}'
+        assert source.splitlines()[int(line) - 1].strip() == code.strip(), (
+            f"{where}: {code.strip()!r} is not that line now")
+        assert _enclosing_function(source, int(line)) == function, f"{where}: not in {function}"

@@ -6,12 +6,13 @@ rebuilding: ``make notebooks NB=NN`` (CONTRIBUTING.md, "Contributing: changing a
 
 from __future__ import annotations
 
+import ast
 import json
 
 import nbformat
 import pytest
 
-from .conftest import NOTEBOOKS, REPO, tool
+from .conftest import NOTEBOOKS, REPO, SNIPPETS, SOURCES, tool
 
 notebooks = tool("build_notebooks")
 
@@ -85,3 +86,29 @@ def test_notebook_07_runs_unchanged_with_4_ranks():
     on 2 cores); `python tools/build_notebooks.py --world-size 4` checks all ten."""
     source = REPO / "notebooks" / "07_which_mean.py"
     assert notebooks.run_at_world_size(source, 4) is None
+
+
+def _meshes_on_a_named_device(path) -> list[str]:
+    """The init_device_mesh calls of a program whose device type is a literal ("cpu")."""
+    calls = [node for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(
+                 node.func, "attr", None)) == "init_device_mesh"]
+    return [f"line {c.lineno}: {ast.unparse(c)}" for c in calls
+            if c.args and isinstance(c.args[0], ast.Constant)]
+
+
+@pytest.mark.parametrize("path", [*SOURCES, *SNIPPETS], ids=lambda p: p.name)
+def test_every_mesh_is_on_the_device_local_device_picks(path):
+    """The course's rule: the same code on a CPU laptop (gloo) and on a GPU per rank (nccl).
+    A mesh built on "cpu" runs gloo on GPUs too: take its type from the rank's device."""
+    named = _meshes_on_a_named_device(path)
+    assert not named, (f"{path.name} builds meshes on a named device, not on "
+                       f"gst.local_device().type (or init_distributed()'s): {named}")
+
+
+def test_a_mesh_on_a_named_device_is_found(tmp_path):
+    """The check above is not empty: it finds "cpu", and lets device.type through."""
+    program = tmp_path / "mesh.py"
+    program.write_text('mesh = init_device_mesh("cpu", (2,))\n'
+                       "ok = init_device_mesh(device.type, (2,))\n")
+    assert _meshes_on_a_named_device(program) == ["line 1: init_device_mesh('cpu', (2,))"]
