@@ -796,7 +796,7 @@ print(f"same parameters (<= 1e-6) with {MICRO_BATCHES}x fewer all-reduces: "
 # every other rank's `tensor` is overwritten with rank 0's values. So pass the parameter itself
 # (`p.detach()` or `p.data`: the same memory), not a copy.
 #
-# The check below starts each rank (2, then 3 of them) from a different seed, calls your function
+# The check below starts each rank (2, then 3 to 5 of them) from a different seed, calls your function
 # and compares the ranks. It prints "✓ correct", or fails with what is wrong; until you write the
 # function, it says "not attempted yet". Stuck? `%load solutions/03_broadcast_parameters.py` in a
 # new cell.

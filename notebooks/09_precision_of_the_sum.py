@@ -993,7 +993,7 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 # back into each `p.grad`; `copy_` rounds to bf16, once. That is the float32 sum that
 # `reduce_dtype=torch.float32` and Megatron's `grad_reduce_in_fp32` keep.
 #
-# The check below runs it on 2 and 3 ranks, each with the course's CNN in bf16 and its own
+# The check below runs it on 2 ranks, then 3 to 5, each with the course's CNN in bf16 and its own
 # gradients. It reads the format of what your `all_reduce` carried and what it delivered. It
 # compares every rank's gradients with the exact mean rounded once to bf16. It prints "✓ correct",
 # or fails with what is wrong. Until you write the function, it says "not attempted yet". Stuck?

@@ -831,8 +831,8 @@ assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in
 #    the tp ranks (Megatron style);
 # 3. `loss_divisor`, what each rank divides its sum of squared errors by.
 #
-# The check asks about several mesh shapes. Then it runs your op and divisor on 2 and 3 ranks
-# against one process. It rejects an average where a sum is needed, a factor equal to the
+# The check asks about several mesh shapes. Then it runs your op and divisor on 2 ranks, then
+# 3 to 5, against one process. It rejects an average where a sum is needed, a factor equal to the
 # shard size, and a local mean. Stuck? `%load solutions/10_gradient_plan.py` in a new cell.
 
 # %%
