@@ -4,11 +4,12 @@
     python benchmarks/exercise_checks.py --rounds 1 gather_ranks average_gradients_flat
 
 A check launches its worker at two world sizes (2 ranks, then a size drawn once per process
-from 3 to 5); the launcher keeps the idle workers of the last two sizes, so a check after
-the first starts no process. Next to each check, in the same round, this times the floor it cannot go under: two launches of a function
-that does nothing, at the same sizes and in the same order (``launch floor``). The ratio
-check / floor is what the check itself adds, and it holds on a busy machine, where the seconds
-do not. The target: each check under 10 s on a quiet 2-core machine.
+from 3 to 5); the launcher keeps the idle workers of the last two sizes, so a check after the
+first starts no process. Next to each check, in the same round, this times the floor it cannot
+go under: two launches of a function that does nothing, at the same sizes and in the same order
+(``launch floor``). The ratio check / floor is what the check itself adds, and it holds on a
+busy machine, where the seconds do not. The target: each check under 10 s on a quiet 2-core
+machine.
 
 Rounds are interleaved (every check once, then again), so that bursts of machine noise hit
 them alike; the table gives the median of the rounds.
