@@ -796,7 +796,8 @@ assert abs(wrong["losses"][-1] - wrong["losses"][0]) < 1e-3 * wrong["losses"][0]
 # %% [markdown]
 # The wrong order runs without a message and does not train. Every step is clipped to a norm of 1 in
 # scaled units, then divided by 65,536. bf16 needs no scaler, since its range is fp32's.
-#
+
+# %% [markdown]
 # ### fp16 with sharded gradients: every rank must skip the same step
 #
 # `GradScaler` skips a step when it finds an inf in the gradients it holds. With sharded gradients
