@@ -58,7 +58,7 @@ import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from IPython.display import Code
+from IPython.display import Markdown
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -68,7 +68,7 @@ import gradsync_tutorial as gst
 
 def show(obj):
     """Display the source of a `gst.averaging` function: the code every cell below runs."""
-    return Code(inspect.getsource(obj), language="python")
+    return Markdown(f"```python\n{inspect.getsource(obj)}```")  # highlighted, stored once
 
 
 # %% [markdown]

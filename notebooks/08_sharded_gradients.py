@@ -558,9 +558,10 @@ except gst.RankFailedError as error:
 # the collective. Installed torch's `ReduceOp` docstring says it "is available with the `NCCL`
 # backend (NCCL versions 2.11 or later) and the `XCCL` backend". Gloo refuses it. The launcher
 # stopped these ranks, and the next launch starts fresh ones. That also sidesteps a process group
-# that a refused op may have left unusable. With nccl the factor alone should do, since PREMUL_SUM
-# is documented there. The cell above checks it when it runs on a GPU per rank. On gloo, force the
-# sum: FSDP2 then sends `ReduceOp.SUM` and divides by the factor itself, the table's last line.
+# that a refused op may have left unusable. On nccl the factor alone is expected to work, since
+# PREMUL_SUM is documented there. The cell above asserts it on a GPU per rank (`make gpu-check`).
+# Not yet run on a GPU. On gloo, force the sum: FSDP2 then sends `ReduceOp.SUM` and divides by the
+# factor itself, the table's last line.
 #
 # **Why a factor of 1 is the knob for notebook 07's token-count losses.** Let each rank's loss be
 # its *sum* over its tokens divided by the *global* number of tokens. The gradients must then be

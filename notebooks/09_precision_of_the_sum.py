@@ -411,8 +411,19 @@ assert all(same)
 
 # %% [markdown]
 # How to read it. Summing first overflows at a scale 16 times (√256) lower than the others. It
-# overflows already at GradScaler's starting scale. GradScaler would then halve its scale until the
-# sum fits, losing those bits in backward instead. Dividing by 256 first overflows no earlier than
+# overflows already at GradScaler's starting scale. GradScaler then skips the step and halves its
+# scale, until the sum fits. Its loop, on these gradients:
+
+# %%
+scale, skipped = SCALE, 0
+while not average(grads * scale, torch.float16, 1).isfinite().all():  # sum, then / 256
+    scale *= torch.amp.GradScaler(DEVICE.type).get_backoff_factor()  # 0.5
+    skipped += 1
+print(f"sum, then / 256: {skipped} skipped steps, scale 2^16 -> 2^{math.log2(scale):.0f}")
+assert skipped >= 1 and largest_safe(first) <= scale < 4 * largest_safe(first)
+
+# %% [markdown]
+# Each halving loses one bit at the bottom, in backward. Dividing by 256 first overflows no earlier than
 # the cast of each gradient to fp16 itself; so does the split. But at small scales it loses the
 # small gradients. The split has the good end of each: the top of dividing first, the bottom of
 # summing first.
@@ -785,6 +796,69 @@ assert abs(wrong["losses"][-1] - wrong["losses"][0]) < 1e-3 * wrong["losses"][0]
 # %% [markdown]
 # The wrong order runs without a message and does not train. Every step is clipped to a norm of 1 in
 # scaled units, then divided by 65,536. bf16 needs no scaler, since its range is fp32's.
+
+# %% [markdown]
+# ### fp16 with sharded gradients: every rank must skip the same step
+#
+# `GradScaler` skips a step when it finds an inf in the gradients it holds. With sharded gradients
+# each rank holds only its shard. An overflow in rank 0's shard is then rank 0's alone. Rank 0
+# skips the step and rank 1 takes it, and the two halves of the model no longer fit together.
+# `ShardedGradScaler` all-reduces the "found inf" flag, so every rank skips. We put an inf in one
+# number of rank 0's gradient, after backward, in two kinds of shards. A plain tensor per rank is
+# a hand-written ZeRO, as in notebook 08. FSDP2's gradients are DTensors:
+
+# %%
+import warnings
+
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+def overflow_step(rank, world_size, scaler_type, shards):
+    device = gst.local_device()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(device)
+    if shards == "FSDP2 (DTensor)":
+        fully_shard(model)
+    else:  # "plain tensors": rank r keeps its rows of the weight, as a ZeRO shard
+        model.weight = nn.Parameter(model.weight.detach().chunk(world_size)[rank].clone())
+        model.bias = nn.Parameter(model.bias.detach().chunk(world_size)[rank].clone())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = scaler_type(device.type)
+    x = torch.randn(3, 8, device=device)
+    loss = model(x).square().sum()  # with a shard of the rows, rank r computes its outputs
+    scaler.scale(loss).backward()
+    if rank == 0:
+        with torch.no_grad():  # to_local() is then the DTensor's own storage
+            grad = model.weight.grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = math.inf
+    with warnings.catch_warnings():  # DTensor's note on the scaler's 1-number flag
+        warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
+        scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() < 2**16  # halved: this rank skipped the step
+
+
+skips = {(scaler_type.__name__, shards): gst.launch(
+             overflow_step, WORLD_SIZE, (scaler_type, shards))
+         for scaler_type in (torch.amp.GradScaler, ShardedGradScaler)
+         for shards in ("plain tensors", "FSDP2 (DTensor)")}
+
+# %%
+for (scaler_name, shards), skipped in skips.items():
+    print(f"{scaler_name:>17}, {shards:<15}: skipped the step on ranks "
+          f"{[r for r, s in enumerate(skipped) if s]} of {WORLD_SIZE}")
+assert skips["GradScaler", "plain tensors"] == [True] + [False] * (WORLD_SIZE - 1)
+assert all(all(s) for key, s in skips.items() if key != ("GradScaler", "plain tensors"))
+dtensor_handlers = torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers
+assert torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default in dtensor_handlers
+
+# %% [markdown]
+# With plain tensors, `GradScaler` lets the ranks disagree, without a message. Use
+# `ShardedGradScaler` (`torch.distributed.fsdp.sharded_grad_scaler`) for any hand-sharded fp16
+# training. FSDP2's DTensor gradients need no change: DTensor's dispatcher handles the scaler's inf
+# check itself. It reduces the flag over the shards, with a maximum (`found_inf_reduce_handler`, in
+# torch's `torch/distributed/tensor/_dispatch.py`). The last assert checks that torch has that
+# handler.
 #
 # ## 4. Compression is not averaging: PowerSGD
 #

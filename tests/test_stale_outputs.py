@@ -223,8 +223,11 @@ def output_text(cell) -> str:
 
 
 def _shows_code(output) -> bool:
-    """An ``IPython.display.Code`` (notebook 05's ``show(fn)``): highlighted source."""
-    return 'class="highlight' in str(output.get("data", {}).get("text/html", ""))
+    """Notebook 05's ``show(fn)``: the source as a Markdown code block (or, before, an
+    ``IPython.display.Code``)."""
+    data = output.get("data", {})
+    return (str(data.get("text/markdown", "")).startswith("```python")
+            or 'class="highlight' in str(data.get("text/html", "")))
 
 
 def stale_messages(text: str) -> list[str]:
@@ -311,8 +314,8 @@ def test_shown_source_is_todays(path):
         shown = [a or b for a, b in SHOWN.findall(cell.source)] if cell.cell_type == "code" else []
         if not shown:
             continue
-        text = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
-                       for o in cell.outputs)
+        text = "".join(o.get("text", "") or o.get("data", {}).get("text/markdown", "")
+                       or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
         stale += [f"cell {number}: {name}" for name in shown
                   if current_source(name).strip() not in text]
     assert not stale, (f"{path.name} shows code that has changed since it was executed: "

@@ -125,6 +125,7 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     ep = experts_at(world_size)
     seed = [evidence.fresh_seed()]
     dist.broadcast_object_list(seed, src=0)  # the same tokens everywhere; each rank its rows
+    # "cpu", not local_device(): every check runs on gloo, in float64 (common.py launches it)
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
     ep_rank = mesh.get_local_rank("ep")
     x, y = _tokens(seed[0], world_size)
