@@ -193,7 +193,8 @@ assert averaging_ms["per-parameter"] > 2 * averaging_ms["flat"]  # 7 more latenc
 
 # %%
 per_call = averaging_ms["per-parameter"] / calls["per-parameter"]
-print(f"per-parameter: {per_call:.2f} ms per call, against {averaging_ms['one float']:.2f} ms for one float")
+print(f"per-parameter: {per_call:.2f} ms per call, "
+      f"against {averaging_ms['one float']:.2f} ms for one float")
 assert per_call > averaging_ms["one float"]  # a call is more than its latency
 
 # %% [markdown]
