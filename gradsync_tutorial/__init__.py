@@ -14,7 +14,7 @@ rank, else the CPU" rule. ``exercises`` holds the exercises' self-checks, ``doct
 machine.
 
 Every module is ``gst.<name>``, imported on first use, so that a rank started by ``gst.launch``
-(``python -m gradsync_tutorial.launcher.worker``) does not pay for matplotlib, and a torchrun
+(``gradsync_tutorial.launcher.worker``) does not pay for matplotlib, and a torchrun
 script that imports ``local_device`` loads no launcher.
 """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+from gradsync_tutorial.launcher.template import TEMPLATE_MODULE
 from gradsync_tutorial.notebooks import paths
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +35,8 @@ def tool(name: str):
 
 
 def worker_pids() -> list[int]:
-    """PIDs of live worker processes (``python -m WORKER_MODULE``) started by this process.
+    """PIDs of live worker processes started by this process: ``python -m WORKER_MODULE``,
+    or (Linux) forked by one of its templates (``python -m TEMPLATE_MODULE``).
 
     Read from /proc on Linux; elsewhere (macOS, Windows: the public CI) through psutil.
     """
@@ -44,7 +46,7 @@ def worker_pids() -> list[int]:
         return [p.pid for p in psutil.Process().children()
                 if p.status() != psutil.STATUS_ZOMBIE
                 and WORKER_MODULE in " ".join(p.cmdline())]
-    pids = []
+    table = []  # (pid, parent, command line) of each live process
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -54,10 +56,12 @@ def worker_pids() -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if WORKER_MODULE.encode() in cmdline and ppid == os.getpid() and state != "Z":
-            pids.append(int(proc.name))
-    return pids
+        if stat.rsplit(")", 1)[1].split()[0] != "Z":
+            table.append((int(proc.name), ppid, cmdline))
+    me = os.getpid()
+    templates = {pid for pid, ppid, cmd in table if ppid == me and TEMPLATE_MODULE.encode() in cmd}
+    return [pid for pid, ppid, cmd in table
+            if (ppid == me and WORKER_MODULE.encode() in cmd) or ppid in templates]
 
 
 def pid_alive(pid: int) -> bool:

@@ -12,6 +12,7 @@ machinery that a lesson never opens:
 * ``pool``: the worker processes seen from the launcher (output, messages, the steps of a job)
   and what it knows of a job (results, failure records);
 * ``process_tree``: stopping a rank and every process below it, per platform;
+* ``template``: (Linux) one process per environment that imports torch once and forks the ranks;
 * ``worker``: the worker's own side, ``python -m gradsync_tutorial.launcher.worker``;
 * ``protocol``: what the two sides say to each other, and the names they share;
 * ``errors``: the failure records' wording and the errors raised from them;
@@ -19,7 +20,8 @@ machinery that a lesson never opens:
 * ``own_group``: ``fn``'s own ``init_process_group``, inside a launch.
 
 Imports go one way, from ``run`` down to ``protocol``; nothing here imports ``run``, and only
-``worker`` (with ``hang_report`` and ``own_group``, which it uses) runs in the ranks.
+``worker`` (with ``hang_report`` and ``own_group``, which it uses) runs in the ranks, after
+``template`` forked them.
 
 Names are resolved on first use (as in the package itself), so that the worker, which imports
 this folder too, loads only what it needs.

@@ -1,17 +1,19 @@
 """The pool: the worker processes of a launch, seen from the launcher, and what it knows of a job.
 
-:class:`Workers` starts ``world_size`` fresh interpreters (``python -m
-gradsync_tutorial.launcher.worker``) and accepts their token-authenticated connections. It forwards
-every line they print into the calling cell as ``[rank r] ...``, records their messages in a
-:class:`JobState` (results, and failure records formatted only when an error is raised), and
-stops them, each rank with every process below it (:mod:`.process_tree`). The launcher drives a
-job through a few steps -- :meth:`~Workers.new_job`, :meth:`~Workers.wait_until_started`,
-:meth:`~Workers.run`, :meth:`~Workers.tear_down`, and on a failure
-:meth:`~Workers.stop_after_failure` or :meth:`~Workers.where_each_rank_is` -- and each step
-waits through one loop, :meth:`Workers.pump`, so output keeps flowing while it waits; results
-are judged apart from output, so a rank that printed a lot is not taken for a rank still running.
-The state sits beside the pump that feeds it: split into a module of its own, every step of a
-launch went back and forth between the two (so this module is the launcher's largest, ~400 lines).
+:class:`Workers` starts ``world_size`` fresh worker processes (:func:`start_worker`: on Linux
+forks of the template that imported torch, :mod:`.template`; elsewhere ``python -m
+gradsync_tutorial.launcher.worker``) and accepts their token-authenticated connections. It
+forwards every line they print into the calling cell as ``[rank r] ...``, records their messages
+in a :class:`JobState` (results, and failure records formatted only when an error is raised),
+and stops them, each rank with every process below it (:mod:`.process_tree`). The launcher
+drives a job through a few steps -- :meth:`~Workers.new_job`,
+:meth:`~Workers.wait_until_started`, :meth:`~Workers.run`, :meth:`~Workers.tear_down`, and on a
+failure :meth:`~Workers.stop_after_failure` or :meth:`~Workers.where_each_rank_is` -- and each
+step waits through one loop, :meth:`Workers.pump`, so output keeps flowing while it waits;
+results are judged apart from output, so a rank that printed a lot is not taken for a rank still
+running. The state sits beside the pump that feeds it: split into a module of its own, every
+step of a launch went back and forth between the two (so this module is the launcher's largest,
+~400 lines).
 
 Nothing here ever blocks on a pipe: a rank's child can inherit the rank's stdout and keep it
 open after the rank is gone, so each reader thread owns its pipe and closes it at end of file,
@@ -35,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 
-from . import hang_report
+from . import hang_report, template
 from .cells import file_label, with_cell_labels
 from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
 from .process_tree import popen_kwargs, stop_trees
@@ -212,6 +214,24 @@ def out_of_descriptors(world_size: int, error: OSError) -> OSError:
                    "world_size, or raise the limit (`ulimit -n`) before starting Jupyter.")
 
 
+#: Linux: fork each rank from a template that has imported torch (:mod:`.template`).
+FORK_FROM_TEMPLATE = (sys.platform.startswith("linux")
+                      and os.environ.get("GRADSYNC_FRESH_INTERPRETERS") != "1")
+
+
+def start_worker(env: dict[str, str], rank: int):
+    """Rank ``rank``'s worker process, with environment ``env``: forked from its template for
+    this environment (Linux), else, or if the template cannot start, a fresh ``python -m``."""
+    if FORK_FROM_TEMPLATE:
+        try:
+            return template.fork(env, os.getcwd(), rank)
+        except template.TemplateGone:
+            pass  # a fresh interpreter shows what went wrong, if it goes wrong again
+    return subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            **popen_kwargs())
+
+
 class Workers:
     """``world_size`` worker processes, their pipes, and the event queue the launcher pumps."""
 
@@ -246,14 +266,12 @@ class Workers:
     def _start_all(self) -> None:
         host, port = self.server.getsockname()[:2]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{CONTROL_ENV: f"{host}:{port}"})
+        if FORK_FROM_TEMPLATE:
+            template.start(env, os.getcwd(), range(self.world_size))
         for rank in range(self.world_size):
             env[TOKEN_ENV] = self.tokens[rank].hex()
             env[END_MARK_ENV] = self.marks[rank]
-            proc = subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=env, **popen_kwargs(),
-            )
+            proc = start_worker(dict(env), rank)
             self.procs.append(proc)
             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
                 self._thread(self._read_lines, rank, name, pipe)

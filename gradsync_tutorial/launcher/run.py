@@ -22,20 +22,22 @@ How it works, and why not torch's own launchers
   pytest/nbval nothing copies them into the cell, and a rank's error reaches the notebook as a
   path to a file.
 
-So the launcher starts **fresh interpreters** itself with :mod:`subprocess` and pipes
-(``python -m gradsync_tutorial.launcher.worker``), sends them ``fn`` serialized *by value* with
-``cloudpickle``, and reads every line they print back into the calling cell, tagged
-``[rank r]``. What torch does well it keeps: the workers get the environment torchrun's agent
-gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``...:
-:func:`_torchrun_env`), so libraries that detect torchrun detect it, and
-initialize the process group through torch's own ``env://`` rendezvous, against a
+So the launcher starts **fresh processes** itself, never copies of the kernel, with pipes for
+their output: on Linux forks of a *template* that imported torch and nothing of the notebook
+(:mod:`.template`), elsewhere ``python -m gradsync_tutorial.launcher.worker``. It sends them
+``fn`` serialized *by value* with ``cloudpickle``, and reads every line they print back into the
+calling cell, tagged ``[rank r]``. What torch does well it keeps: the workers get the
+environment torchrun's agent gives (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``...: :func:`_torchrun_env`), so libraries that detect torchrun detect it,
+and initialize the process group through torch's own ``env://`` rendezvous, against a
 :class:`torch.distributed.TCPStore` that the launcher hosts, exactly as the torchrun agent does
 (``TORCHELASTIC_USE_AGENT_STORE``). The store binds a port the OS picks, so two notebooks never
 collide and nothing can take the port between choosing and binding it.
 
-Starting Python and importing torch costs ~2 s a rank, so after a successful launch the workers
-stay alive, idle, for the next launch in the same kernel (``reuse_workers=True``): a repeat
-launch starts in well under 0.3 s and is still CUDA-safe, since nothing is ever forked. The
+Starting Python and importing torch costs ~2 s a process, so the template pays it once per
+environment, and after a successful launch the workers stay alive, idle, for the next launch
+in the same kernel (``reuse_workers=True``): a repeat launch starts in well under 0.3 s. Both
+are CUDA-safe: the kernel is never forked, and the template never initializes CUDA. The
 workers of the last ``IDLE_POOLS`` (2) sizes launched are kept, so that an exercise check, which
 runs at 2 and then 3 ranks, starts no process the second time. Idle workers exit with the
 kernel (they watch their socket to it) or on :func:`shutdown_workers`. After any failure -- an

@@ -1,8 +1,10 @@
 """The worker side of :func:`gradsync_tutorial.launch`: one fresh interpreter per rank.
 
-Started by the launcher as ``python -m gradsync_tutorial.launcher.worker``, never by hand. It
+Started by the launcher, never by hand: as ``python -m gradsync_tutorial.launcher.worker``, or
+on Linux run as ``__main__`` in a fork of a template that has imported torch
+(:mod:`.template`). It
 
-1. imports torch (the slow part, ~2 s) while the notebook is still busy,
+1. imports torch (the slow part, ~2 s; done already in a fork) while the notebook is still busy,
 2. connects back to the launcher over a loopback socket and proves itself with a token,
 3. then serves jobs until the launcher closes the socket: for each job it sets the torchrun
    environment (RANK, WORLD_SIZE, ...), initializes the default process group, calls

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from gradsync_tutorial.launcher.protocol import WORKER_MODULE
+from gradsync_tutorial.launcher.template import TEMPLATE_MODULE
 
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 CODE_CELLS = f"{PANEL} .jp-Notebook .jp-CodeCell"
@@ -54,18 +55,26 @@ def alive(proc: psutil.Process) -> bool:
 
 
 def workers_under(proc: psutil.Process) -> list[psutil.Process]:
-    """The launcher's worker processes among ``proc``'s live descendants."""
+    """The launcher's worker processes among ``proc``'s live descendants: ``python -m
+    WORKER_MODULE``, or (Linux) a fork of a template (``python -m TEMPLATE_MODULE``)."""
     found = []
     try:
         children = proc.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+    commands, parents = {}, {}
     for child in children:
         try:
-            if WORKER_MODULE in child.cmdline() and alive(child):
-                found.append(child)
+            commands[child.pid], parents[child.pid] = child.cmdline(), child.ppid()
         except psutil.Error:
             continue
+    # A fork shows its template's command line: a template is one whose parent is not one.
+    templates = {pid for pid, cmd in commands.items() if TEMPLATE_MODULE in cmd
+                 and TEMPLATE_MODULE not in commands.get(parents[pid], [])}
+    for child in children:
+        forked = parents.get(child.pid) in templates
+        if (forked or WORKER_MODULE in commands.get(child.pid, [])) and alive(child):
+            found.append(child)
     return found
 
 

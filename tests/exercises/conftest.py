@@ -44,12 +44,18 @@ def _second_size_3(monkeypatch):
     monkeypatch.setenv(common.SIZE_VARIABLE, "3")
 
 
+# The wrong answers that exchange data through files name them after this test process, which
+# the ranks read from their environment (each rank's parent is its own template, not this).
+os.environ.setdefault("GRADSYNC_TEST_CHEAT_ID", str(os.getpid()))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_files_left():
     """The wrong answers that exchange data through files write them under the temporary
-    folder, named after this process (the ranks' parent): remove them afterwards."""
+    folder, named after this test process (GRADSYNC_TEST_CHEAT_ID): remove them afterwards."""
     yield
-    for path in Path(tempfile.gettempdir()).glob(f"gradsync-cheat-{os.getpid()}*"):
+    for path in Path(tempfile.gettempdir()).glob(
+            f"gradsync-cheat-{os.environ['GRADSYNC_TEST_CHEAT_ID']}*"):
         if path.is_dir():
             shutil.rmtree(path)
         else:
@@ -73,13 +79,13 @@ def assert_rejected(name: str, mistake: str, wrong, message: str) -> None:
 
 
 def cheat_folder(tag):
-    """A folder for the answers that exchange data through files: named after the ranks'
-    parent (this process), the answer and the world size, removed by _no_files_left."""
+    """A folder for the answers that exchange data through files: named after the test process
+    (GRADSYNC_TEST_CHEAT_ID), the answer and the world size, removed by _no_files_left."""
     import os
     import tempfile
 
-    folder = os.path.join(tempfile.gettempdir(),
-                          f"gradsync-cheat-{os.getppid()}-{tag}-{dist.get_world_size()}")
+    name = f"gradsync-cheat-{os.environ['GRADSYNC_TEST_CHEAT_ID']}-{tag}-{dist.get_world_size()}"
+    folder = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(folder, exist_ok=True)
     return folder
 

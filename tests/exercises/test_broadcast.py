@@ -31,7 +31,8 @@ def _broadcast(mistake):
             import os
             import tempfile
 
-            path = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{os.getppid()}.pt")
+            cheat_id = os.environ["GRADSYNC_TEST_CHEAT_ID"]  # the test process (conftest)
+            path = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{cheat_id}.pt")
             if dist.get_rank() == 0:
                 torch.save(model.state_dict(), path)
             dist.broadcast(torch.zeros(1), src=0)  # for show; it also waits for the file

@@ -61,7 +61,8 @@ def _flat_other(mistake):
         import tempfile
 
         rank, n = dist.get_rank(), dist.get_world_size()
-        folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{os.getppid()}-{n}")
+        cheat_id = os.environ["GRADSYNC_TEST_CHEAT_ID"]  # the test process (conftest)
+        folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{cheat_id}-{n}")
         os.makedirs(folder, exist_ok=True)
         torch.save([p.grad for p in model.parameters()], os.path.join(folder, f"{rank}.pt"))
         size = 1 if mistake.endswith("one number") else sum(p.numel() for p in model.parameters())

@@ -37,7 +37,8 @@ def _gather(mistake):
             import os
             import tempfile
 
-            folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{os.getppid()}")
+            cheat_id = os.environ["GRADSYNC_TEST_CHEAT_ID"]  # the test process (conftest)
+            folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{cheat_id}")
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, str(rank)), "w") as f:
                 f.write(str(rank))

@@ -35,7 +35,8 @@ def _mean_loss(mistake=None):
             import os
             import tempfile
 
-            folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{os.getppid()}")
+            cheat_id = os.environ["GRADSYNC_TEST_CHEAT_ID"]  # the test process (conftest)
+            folder = os.path.join(tempfile.gettempdir(), f"gradsync-cheat-{cheat_id}")
             os.makedirs(folder, exist_ok=True)
             rank, n = dist.get_rank(), dist.get_world_size()
             torch.save(losses, os.path.join(folder, f"{n}-{rank}.pt"))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, preflight, run
+from gradsync_tutorial.launcher import LaunchTimeoutError, RankFailedError, pool, preflight, run
 
 from ..conftest import REPO, start_kernel_like, wait_dead, worker_pids
 
@@ -322,9 +322,12 @@ def test_skipped_collective_times_out_naming_the_stuck_rank():
     assert worker_pids() == []
 
 
-def test_timeout_counts_from_ready_ranks_not_from_start_up():
+def test_timeout_counts_from_ready_ranks_not_from_start_up(monkeypatch):
     """Cold workers take seconds to import torch; a 1-second job timeout must not count that."""
     gst.shutdown_workers()
+    # An environment no template has imported torch in: this start is cold (Linux: a new
+    # template; elsewhere every start is).
+    monkeypatch.setenv("GRADSYNC_TEST_COLD_START", str(time.monotonic()))
     start = time.monotonic()
     assert gst.launch(_ok, world_size=2, timeout=1.0, reuse_workers=False) == [0, 1]
     assert time.monotonic() - start > 1.0  # it was a cold start, longer than the timeout
@@ -332,6 +335,7 @@ def test_timeout_counts_from_ready_ranks_not_from_start_up():
 
 def test_workers_that_do_not_start_in_time_are_reported(monkeypatch):
     monkeypatch.setattr(run, "STARTUP_SECONDS", 0.2)  # importing torch takes longer
+    monkeypatch.setattr(pool, "FORK_FROM_TEMPLATE", False)  # a fork of a warm template may not
     gst.shutdown_workers()
     with pytest.raises(LaunchTimeoutError, match="worker processes did not start within 0.2 s"):
         gst.launch(_ok, world_size=2, timeout=0.2)

@@ -147,12 +147,13 @@ def test_stop_pressed_while_a_failure_is_reported(monkeypatch):
     assert worker_pids() == []
 
 
-class _FailingPopen:
-    """``subprocess.Popen`` that raises ``error`` on call number ``at`` (1-based)."""
+class _FailingStart:
+    """The launcher's start of one worker (forked or ``subprocess.Popen``), raising ``error``
+    on call number ``at`` (1-based)."""
 
     def __init__(self, monkeypatch, at, error):
-        self.real, self.calls, self.at, self.error = subprocess.Popen, 0, at, error
-        monkeypatch.setattr(subprocess, "Popen", self)
+        self.real, self.calls, self.at, self.error = pool.start_worker, 0, at, error
+        monkeypatch.setattr(pool, "start_worker", self)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -163,7 +164,7 @@ class _FailingPopen:
 
 def test_interrupt_between_two_worker_starts_stops_the_first(monkeypatch):
     gst.shutdown_workers()
-    _FailingPopen(monkeypatch, at=2, error=KeyboardInterrupt())
+    _FailingStart(monkeypatch, at=2, error=KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         gst.launch(_ok, world_size=3)
     assert worker_pids() == []
@@ -171,7 +172,7 @@ def test_interrupt_between_two_worker_starts_stops_the_first(monkeypatch):
 
 def test_too_many_open_files_half_way_stops_the_started_ones(monkeypatch):
     gst.shutdown_workers()
-    _FailingPopen(monkeypatch, at=3, error=OSError(errno.EMFILE, "Too many open files"))
+    _FailingStart(monkeypatch, at=3, error=OSError(errno.EMFILE, "Too many open files"))
     with pytest.raises(OSError, match="ran out of file descriptors.*smaller world_size"):
         gst.launch(_ok, world_size=4)
     assert worker_pids() == []
