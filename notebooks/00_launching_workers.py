@@ -92,8 +92,7 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # %% [markdown]
 # ## `gst.launch`: fresh processes, the function sent by value
 #
-# `gst.launch(fn, world_size)` starts `world_size` fresh processes, never copies of the kernel
-# (the [launcher's notes](../docs/launcher.md) say how). It sends them `fn` **by
+# `gst.launch(fn, world_size)` starts `world_size` fresh interpreters. It sends them `fn` **by
 # value**, with `cloudpickle`, so cells, lambdas and closures work. In each one it:
 #
 # 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
