@@ -12,9 +12,9 @@ not imported yet. One template per rank keeps what a fork cannot redraw, the str
 different on each rank.
 
 Seen from the launcher, a forked rank is a :class:`Forked`: a ``subprocess.Popen`` in what the
-launcher uses of one (``pid``, ``poll``, ``wait``, ``returncode``, ``stdout``, ``stderr``). Its
-exit status comes from the template, which is its parent and reaps it. Set
-``GRADSYNC_FRESH_INTERPRETERS=1`` to start every rank as ``python -m`` instead, as other
+launcher uses of one (``pid``, ``poll``, ``wait``, ``stdout``, ``stderr``; it signals the rank's
+process group itself). Its exit status comes from the template, which is its parent and reaps
+it. Set ``GRADSYNC_FRESH_INTERPRETERS=1`` to start every rank as ``python -m`` instead, as other
 platforms do.
 
 The environment at the template's start is the one torch read at import. So a template
@@ -73,10 +73,6 @@ class Forked:
         self.template, self.pid, self.stdout, self.stderr = template, pid, stdout, stderr
         self.args = [sys.executable, "-m", WORKER_MODULE]  # what it stands for
 
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
     def poll(self) -> int | None:
         status = self.template.exits.get(self.pid)
         if status is None and not self.template.running() and not _alive(self.pid):
@@ -92,16 +88,6 @@ class Forked:
                     raise subprocess.TimeoutExpired(self.args, timeout)
                 self.template.changed.wait(0.05 if left is None else min(left, 0.05))
         return self.poll()
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:
