@@ -85,6 +85,26 @@ def tree(proc: subprocess.Popen) -> set[int]:
     return found
 
 
+def _stat_fields(pid: int | str) -> list[bytes]:
+    """The fields of ``/proc/PID/stat`` after the command: state, parent pid, ... (Linux)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        # "pid (command) state ppid ...": the command may contain spaces and ")".
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie waiting to be reaped (Linux).
+
+    >>> import os
+    >>> alive(os.getpid())
+    True
+    """
+    try:
+        return _stat_fields(pid)[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def process_table() -> list[tuple[int, int]]:
     """(pid, parent pid) of every process: from ``/proc`` on Linux, from ``ps`` elsewhere."""
     if sys.platform.startswith("linux"):
@@ -92,12 +112,9 @@ def process_table() -> list[tuple[int, int]]:
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
-                    with open(f"/proc/{entry}/stat", "rb") as f:
-                        stat = f.read()
+                    table.append((int(entry), int(_stat_fields(entry)[1])))
                 except OSError:  # it ended meanwhile
                     continue
-                # "pid (command) state ppid ...": the command may contain spaces and ")".
-                table.append((int(entry), int(stat.rsplit(b")", 1)[1].split()[1])))
         return table
     try:  # macOS and the BSDs have no /proc
         out = subprocess.run(["ps", "-A", "-o", "pid=", "-o", "ppid="], capture_output=True,

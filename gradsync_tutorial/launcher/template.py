@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 
+from .process_tree import alive
 from .protocol import CONTROL_ENV, END_MARK_ENV, TOKEN_ENV, WORKER_MODULE
 
 TEMPLATE_MODULE = "gradsync_tutorial.launcher.template"
@@ -75,7 +76,7 @@ class Forked:
 
     def poll(self) -> int | None:
         status = self.template.exits.get(self.pid)
-        if status is None and not self.template.running() and not _alive(self.pid):
+        if status is None and not self.template.running() and not alive(self.pid):
             status = -signal.SIGKILL  # its parent, the template, died; so did it
         return status
 
@@ -88,14 +89,6 @@ class Forked:
                     raise subprocess.TimeoutExpired(self.args, timeout)
                 self.template.changed.wait(0.05 if left is None else min(left, 0.05))
         return self.poll()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 class Template:
