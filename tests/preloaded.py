@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
+
+from gradsync_tutorial.launcher.template import run_module_as_main
 
 AGENT = "torch.distributed.run"
 STOP_SECONDS = 30.0  # for an agent out of time to stop its ranks, before it is killed
@@ -71,8 +71,8 @@ def torchrun(args: list, *, cwd: str | Path, env: dict[str, str],
 def _agent(args: list[str], cwd: str, env: dict[str, str], streams: list[str]) -> None:
     """In the forked agent: what ``python -m torch.distributed.run ARGS`` does, in a session of
     its own (as ``start_new_session``), its streams in the files ``streams``; never returns."""
-    code = 1
-    try:
+
+    def prepare() -> None:
         os.setsid()
         for path, fd in zip(streams, (1, 2), strict=True):
             opened = os.open(path, os.O_WRONLY | os.O_TRUNC)
@@ -82,19 +82,5 @@ def _agent(args: list[str], cwd: str, env: dict[str, str], streams: list[str]) -
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [AGENT, *args]  # run_module puts the module's path first, as python -m does
-        sys.modules.pop(AGENT)  # imported, not run: it runs as __main__ only, as under python -m
-        runpy.run_module(AGENT, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - shown, as an interpreter shows it
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+
+    run_module_as_main(AGENT, prepare)
