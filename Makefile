@@ -1,7 +1,8 @@
 # make lab   - set up .venv (first time only) and open the course in JupyterLab; as root too,
 #   and without a desktop it prints how to open it from a laptop. LAB_ARGS="--port 9999" (or
 #   "--ip 0.0.0.0") adds options of `jupyter lab` (gradsync_tutorial/lab.py).
-# make test  - set up .venv (first time only) and run every test, notebooks included (nbval)
+# make test  - set up .venv (first time only) and run every test, notebooks included (nbval, in
+#   their short mode; SMOKE_TEST=0 make test runs them in full mode; conftest.py)
 # make e2e   - only the end-to-end suite: the course in JupyterLab, in Chromium (tests/e2e)
 # make data  - fetch Fashion-MNIST into data/ (internet, else Debian's dataset-fashion-mnist)
 # make doctor - is this machine ready? versions, data, a 2-rank launch, expected notebook times

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -86,6 +89,24 @@ def test_notebook_07_runs_unchanged_with_4_ranks():
     on 2 cores); `python tools/build_notebooks.py --world-size 4` checks all ten."""
     source = REPO / "notebooks" / "07_which_mean.py"
     assert notebooks.run_at_world_size(source, 4) is None
+
+
+def test_pytest_runs_the_notebooks_in_their_short_mode_unless_told(request):
+    """``make test`` (or ``pytest``) runs nbval on ``SMOKE_TEST=1``: the checkout's conftest.py
+    sets it when it is not set; ``SMOKE_TEST=0`` keeps the full mode."""
+    root = REPO / "conftest.py"
+    loaded = [p for p in request.config.pluginmanager.get_plugins()
+              if getattr(p, "__file__", None) == str(root)]
+    assert loaded, f"pytest did not load {root}: the notebooks would run in full mode"
+    for given, expected in ((None, "1"), ("0", "0"), ("1", "1")):
+        env = {k: v for k, v in os.environ.items() if k != "SMOKE_TEST"}
+        if given is not None:
+            env["SMOKE_TEST"] = given
+        seen = subprocess.run(
+            [sys.executable, "-c", f"import os, runpy; runpy.run_path({str(root)!r}); "
+                                   "print(os.environ['SMOKE_TEST'])"],
+            env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert seen == expected, f"SMOKE_TEST={given}: the notebooks see {seen!r}"
 
 
 def _meshes_on_a_named_device(path) -> list[str]:

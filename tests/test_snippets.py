@@ -28,6 +28,7 @@ import torch
 
 import gradsync_tutorial as gst
 
+from . import preloaded
 from .conftest import NOTEBOOKS as NOTEBOOK_PATHS
 from .conftest import REPO, SNIPPETS
 
@@ -41,11 +42,8 @@ def torchrun(snippet, cwd, *args, ranks=2):
     """Run a snippet as its docstring says; PYTHONPATH is cleared, so the course is not found."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SMOKE_TEST")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(ranks), str(snippet), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )
+    proc = preloaded.torchrun(["--standalone", "--nproc-per-node", ranks, snippet, *args],
+                              cwd=cwd, env=env, timeout=300)
     assert proc.returncode == 0, f"{snippet.name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
 

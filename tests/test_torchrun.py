@@ -1,10 +1,11 @@
 """scripts/train_ddp.py and scripts/train_manual.py under real torchrun agents: CPU, gloo, --smoke.
 
-Each torchrun start costs ~10 s on a 2-core machine (an agent, then 2 workers importing torch),
-so the runs are shared: one straight 2-epoch run per script (module fixture) serves the
-replica, two-node, resume and manual-vs-DDP checks. Every run is on the CPU (no GPU visible),
-with OMP_NUM_THREADS=1 also for one-rank agents (torchrun sets it only with several), so that
-all runs add their numbers in the same order and can be compared for equality.
+Each torchrun start costs ~5 s on a 2-core machine (2 workers importing torch; the agent is
+preloaded: tests/preloaded.py), so the runs are shared: one straight 2-epoch run per script
+(module fixture) serves the replica, two-node, resume and manual-vs-DDP checks. Every run is on
+the CPU (no GPU visible), with OMP_NUM_THREADS=1 also for one-rank agents (torchrun sets it only
+with several), so that all runs add their numbers in the same order and can be compared for
+equality.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 
 import gradsync_tutorial as gst
 
-from .conftest import REPO
+from . import preloaded
+from .conftest import REPO, wait_dead
 
 SCRIPTS = REPO / "scripts"
 FAIL_RANK = REPO / "scripts" / "fail_rank.py"  # runs a script with one rank failing on purpose
@@ -36,10 +38,7 @@ TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one 
 def torchrun(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``torchrun ARGS`` with this interpreter, from the repository root."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *map(str, args)], cwd=REPO,
-        env=full_env, capture_output=True, text=True, timeout=TIMEOUT,
-    )
+    return preloaded.torchrun(args, cwd=REPO, env=full_env, timeout=TIMEOUT)
 
 
 def standalone(script: str, *script_args) -> subprocess.CompletedProcess:
@@ -235,6 +234,30 @@ def test_failing_rank_exits_nonzero_and_is_the_root_cause_with_its_traceback():
     named = re.search(r"rank\s*:\s*(\d+)", root_cause).group(1)
     assert named == "1" or "Connection closed by peer" in entries[named], summary
     assert not EQUAL.search(run.stdout)
+
+
+def test_the_preloaded_agent_says_what_torchrun_says(tmp_path):
+    """tests/preloaded.py stands for ``python -m torch.distributed.run``: the same output and
+    exit status, letter for letter, for a help text and for a command line it refuses."""
+    for args in (["--help"], ["--nproc-per-node", "2"]):
+        ours = preloaded.torchrun(args, cwd=tmp_path, env=dict(os.environ), timeout=TIMEOUT)
+        theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+        assert (ours.returncode, ours.stdout, ours.stderr) == (
+            theirs.returncode, theirs.stdout, theirs.stderr), args
+
+
+def test_a_preloaded_agent_out_of_time_is_stopped_with_its_ranks(tmp_path):
+    """A run that hangs fails the test that started it, and leaves no rank behind."""
+    script = tmp_path / "hang.py"
+    script.write_text("import os, time\n"
+                      "open(f'pid{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        preloaded.torchrun(["--standalone", "--nproc-per-node", 2, script], cwd=tmp_path,
+                           env=dict(os.environ), timeout=15)
+    ranks = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
+    assert wait_dead(ranks) == [], "ranks left running after their agent ran out of time"
 
 
 def test_the_scripts_carry_no_test_hooks():

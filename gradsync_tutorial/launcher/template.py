@@ -37,6 +37,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from .process_tree import alive
 from .protocol import CONTROL_ENV, END_MARK_ENV, TOKEN_ENV, WORKER_MODULE
@@ -306,8 +308,8 @@ def _send(sock: socket.socket, message: tuple) -> None:
 def _become_worker(env: dict[str, str], fds: list[int], own: tuple, in_session: int) -> None:
     """In the forked child: take the streams and environment, then run the worker as
     ``python -m`` would; never return into the template's loop."""
-    code = 1
-    try:
+
+    def prepare() -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         own[0].close()
@@ -322,11 +324,27 @@ def _become_worker(env: dict[str, str], fds: list[int], own: tuple, in_session: 
             os.close(fd)
         os.environ.clear()
         os.environ.update(env)
-        sys.modules.pop(WORKER_MODULE, None)  # as under python -m: it runs as __main__ only
-        runpy.run_module(WORKER_MODULE, run_name="__main__", alter_sys=True)
+
+    run_module_as_main(WORKER_MODULE, prepare)
+
+
+def run_module_as_main(module: str, prepare: Callable[[], None]) -> NoReturn:
+    """In a forked child: ``prepare()``, then ``module`` as ``python -m MODULE`` runs it, then
+    exit with its status. What either raises is shown and exits 1, as an interpreter does.
+
+    The module may have been imported before the fork (that is the point of forking): it runs
+    again, as ``__main__`` only, as under ``python -m``.
+    """
+    code = 1
+    try:
+        prepare()
+        sys.modules.pop(module, None)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)  # sys.exit("why"), as Python shows it
     except BaseException:  # noqa: BLE001 - show it, as an interpreter would
         traceback.print_exc()
     finally:

@@ -86,7 +86,7 @@ def lab(e2e_tools):
         tmp,
         # the kernel imports the package from the repository under test
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        SMOKE_TEST="1",  # notebook 02's short mode
+        SMOKE_TEST="1",  # the notebooks' short mode
     )
     token = secrets.token_hex(16)
     cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", "--port=0",

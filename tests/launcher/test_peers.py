@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 import gradsync_tutorial as gst
 
+from .. import preloaded
 from ..conftest import REPO
 from ..programs import HERE as PROGRAMS
 from ..programs import cell, source
@@ -30,10 +30,8 @@ def torchrun(name: str, *argv: str, nproc: int = 2) -> tuple[int, list[dict], st
     """Run ``tests/programs/NAME.py`` under torchrun: exit code, each rank's STATE, output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(PROGRAMS / f"{name}.py"), *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    run = preloaded.torchrun(["--standalone", f"--nproc-per-node={nproc}",
+                              PROGRAMS / f"{name}.py", *argv], cwd=REPO, env=env, timeout=600)
     output = run.stdout + run.stderr
     # The ranks share torchrun's stdout, and two prints can land on one line
     # ('STATE {...}STATE {...}'): decode one JSON object after each marker, not one per line.
@@ -55,7 +53,6 @@ def as_main(name: str, *argv: str):
     path = str(PROGRAMS / f"{name}.py")
 
     def fn(rank, world_size):
-        import sys
 
         sys.argv = [path, *argv]  # what torchrun gives the script
         return main()
