@@ -4,9 +4,9 @@ The tests of snippets, scripts and peers start a torchrun agent again and again.
 agent spent about 1.8 s of its 5.4 s importing torch, before it started a rank. Here the agent
 is forked by multiprocessing's forkserver, which imported ``torch.distributed.run`` once. The
 rest is torchrun as a reader runs it: its ``main`` with the same command line, working
-directory, environment and exit status.
-The agent starts each rank as a fresh interpreter, as ever. tests/test_torchrun.py checks
-that it says what ``python -m torch.distributed.run`` says, and stops its ranks when out of time.
+directory, environment and exit status. The agent starts each rank as a fresh interpreter, as
+ever. tests/test_torchrun.py checks that it says what ``python -m torch.distributed.run`` says,
+and that it stops its ranks when out of time.
 
     run = torchrun(["--standalone", "--nproc-per-node", 2, "train.py"], cwd=folder,
                    env=dict(os.environ), timeout=300)  # a subprocess.CompletedProcess
@@ -42,30 +42,43 @@ def torchrun(args: list, *, cwd: str | Path, env: dict[str, str],
              timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run([python, "-m", "torch.distributed.run", *args], cwd=cwd, env=env,
     capture_output=True, text=True, timeout=timeout)``, with a preloaded agent. On a timeout
-    the agent's process group, its ranks with it, is killed and ``TimeoutExpired`` raised."""
+    the agent is stopped with its ranks (:func:`stop`) and ``TimeoutExpired`` raised."""
     command = [sys.executable, "-m", AGENT, *map(str, args)]
-    context = _forkserver()
-    if context is None:  # Windows: no fork
+    if _forkserver() is None:  # Windows: no fork
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="gradsync-torchrun-") as folder:
-        streams = [os.path.join(folder, name) for name in ("stdout", "stderr")]
-        for path in streams:
-            Path(path).touch()  # there even if the agent never starts
-        agent = context.Process(target=_agent, args=(command[3:], str(cwd), env, streams))
-        agent.start()
+        streams = [Path(folder, name) for name in ("stdout", "stderr")]
+        agent = start(args, cwd=cwd, env=env, streams=streams)
         agent.join(timeout)
         timed_out = agent.exitcode is None
-        if timed_out:  # torchrun stops its ranks on SIGTERM (they have sessions of their own)
-            agent.terminate()
-            agent.join(STOP_SECONDS)
-            if agent.exitcode is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.join()
-        out, err = (Path(s).read_text(errors="replace") for s in streams)
+        if timed_out:
+            stop(agent)
+        out, err = (s.read_text(errors="replace") for s in streams)
     if timed_out:
         raise subprocess.TimeoutExpired(command, timeout, out, err)
     return subprocess.CompletedProcess(command, agent.exitcode, out, err)
+
+
+def start(args: list, *, cwd: str | Path, env: dict[str, str],
+          streams: list[Path]) -> multiprocessing.Process:
+    """Start ``torchrun ARGS`` (Linux, macOS), its stdout and stderr written to ``streams``."""
+    for path in streams:
+        path.touch()  # there even if the agent never starts
+    agent = _forkserver().Process(target=_agent, args=(
+        [str(a) for a in args], str(cwd), env, [str(s) for s in streams]))
+    agent.start()
+    return agent
+
+
+def stop(agent: multiprocessing.Process) -> None:
+    """Stop an agent and its ranks, which have sessions of their own: torchrun stops them on
+    SIGTERM; if it has not in :data:`STOP_SECONDS`, its process group is killed."""
+    agent.terminate()
+    agent.join(STOP_SECONDS)
+    if agent.exitcode is None:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.join()
 
 
 def _agent(args: list[str], cwd: str, env: dict[str, str], streams: list[str]) -> None:

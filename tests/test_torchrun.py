@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -253,11 +254,22 @@ def test_a_preloaded_agent_out_of_time_is_stopped_with_its_ranks(tmp_path):
     script.write_text("import os, time\n"
                       "open(f'pid{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\n"
                       "time.sleep(600)\n")
-    with pytest.raises(subprocess.TimeoutExpired):
-        preloaded.torchrun(["--standalone", "--nproc-per-node", 2, script], cwd=tmp_path,
-                           env=dict(os.environ), timeout=15)
-    ranks = [int((tmp_path / f"pid{rank}").read_text()) for rank in (0, 1)]
-    assert wait_dead(ranks) == [], "ranks left running after their agent ran out of time"
+    args = ["--standalone", "--nproc-per-node", 2, script]
+    (tmp_path / "timed").mkdir()
+    with pytest.raises(subprocess.TimeoutExpired):  # its ranks may or may not have started
+        preloaded.torchrun(args, cwd=tmp_path / "timed", env=dict(os.environ), timeout=0.5)
+    (tmp_path / "stopped").mkdir()
+    agent = preloaded.start(args, cwd=tmp_path / "stopped", env=dict(os.environ),
+                            streams=[tmp_path / "out", tmp_path / "err"])
+    files = [tmp_path / "stopped" / f"pid{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + TIMEOUT
+    while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    preloaded.stop(agent)  # what a run out of time gets once its ranks run
+    assert agent.exitcode is not None
+    ranks = [int(f.read_text()) for f in (tmp_path / "timed").glob("pid*")]
+    ranks += [int(f.read_text()) for f in files]
+    assert wait_dead(ranks) == [], "ranks left running after their agent was stopped"
 
 
 def test_the_scripts_carry_no_test_hooks():
