@@ -1,8 +1,9 @@
 """``torchrun`` for the tests: the agent forked from an interpreter that imported it already.
 
 The tests of snippets, scripts and peers start a torchrun agent again and again. On 2 cores an
-agent spent about 1.8 s of its 5.4 s importing torch, before it started a rank. Here the agent
-is forked by multiprocessing's forkserver, which imported ``torch.distributed.run`` once. The
+agent spent about 1.8 s of its 5.4 s importing torch, before it started a rank. Here (Linux)
+the agent is forked by multiprocessing's forkserver, which imported ``torch.distributed.run``
+once. The
 rest is torchrun as a reader runs it: its ``main`` with the same command line, working
 directory, environment and exit status. The agent starts each rank as a fresh interpreter, as
 ever. tests/test_torchrun.py checks that it says what ``python -m torch.distributed.run`` says,
@@ -30,9 +31,10 @@ _context = None
 
 
 def _forkserver():
-    """multiprocessing's forkserver context, with torchrun preloaded; None where there is none."""
+    """multiprocessing's forkserver context, with torchrun preloaded, on Linux; None elsewhere
+    (Windows cannot fork; macOS may not, once torch is imported, as gst.launch's templates)."""
     global _context
-    if _context is None and "forkserver" in multiprocessing.get_all_start_methods():
+    if _context is None and sys.platform.startswith("linux"):
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload([AGENT])
     return _context
@@ -44,7 +46,7 @@ def torchrun(args: list, *, cwd: str | Path, env: dict[str, str],
     capture_output=True, text=True, timeout=timeout)``, with a preloaded agent. On a timeout
     the agent is stopped with its ranks (:func:`stop`) and ``TimeoutExpired`` raised."""
     command = [sys.executable, "-m", AGENT, *map(str, args)]
-    if _forkserver() is None:  # Windows: no fork
+    if _forkserver() is None:
         return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="gradsync-torchrun-") as folder:
@@ -62,7 +64,7 @@ def torchrun(args: list, *, cwd: str | Path, env: dict[str, str],
 
 def start(args: list, *, cwd: str | Path, env: dict[str, str],
           streams: list[Path]) -> multiprocessing.Process:
-    """Start ``torchrun ARGS`` (Linux, macOS), its stdout and stderr written to ``streams``."""
+    """Start ``torchrun ARGS`` (Linux), its stdout and stderr written to ``streams``."""
     for path in streams:
         path.touch()  # there even if the agent never starts
     agent = _forkserver().Process(target=_agent, args=(

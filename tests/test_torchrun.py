@@ -248,6 +248,7 @@ def test_the_preloaded_agent_says_what_torchrun_says(tmp_path):
             theirs.returncode, theirs.stdout, theirs.stderr), args
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="preloaded on Linux only")
 def test_a_preloaded_agent_out_of_time_is_stopped_with_its_ranks(tmp_path):
     """A run that hangs fails the test that started it, and leaves no rank behind."""
     script = tmp_path / "hang.py"
