@@ -3,11 +3,10 @@
 The tests of snippets, scripts and peers start a torchrun agent again and again. On 2 cores an
 agent spent about 1.8 s of its 5.4 s importing torch, before it started a rank. Here (Linux)
 the agent is forked by multiprocessing's forkserver, which imported ``torch.distributed.run``
-once. The
-rest is torchrun as a reader runs it: its ``main`` with the same command line, working
-directory, environment and exit status. The agent starts each rank as a fresh interpreter, as
-ever. tests/test_torchrun.py checks that it says what ``python -m torch.distributed.run`` says,
-and that it stops its ranks when out of time.
+once. The rest is torchrun as a reader runs it: its ``main`` with the same command line,
+working directory, environment and exit status. The agent starts each rank as a fresh
+interpreter, as ever. tests/test_torchrun.py checks that it says what ``python -m
+torch.distributed.run`` says, and that it stops its ranks when out of time.
 
     run = torchrun(["--standalone", "--nproc-per-node", 2, "train.py"], cwd=folder,
                    env=dict(os.environ), timeout=300)  # a subprocess.CompletedProcess
