@@ -33,7 +33,7 @@ from .conftest import REPO, wait_dead
 SCRIPTS = REPO / "scripts"
 FAIL_RANK = REPO / "scripts" / "fail_rank.py"  # runs a script with one rank failing on purpose
 EQUAL = re.compile(r"^parameters equal across (\d+) ranks: max \|p - p on rank 0\| = (\S+)$", re.M)
-TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~10 s, a stuck one is killed
+TIMEOUT = 240  # seconds per torchrun run: a smoke run takes ~5 s, a stuck one is killed
 
 
 def torchrun(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 
 import pytest
 
@@ -53,6 +52,7 @@ def as_main(name: str, *argv: str):
     path = str(PROGRAMS / f"{name}.py")
 
     def fn(rank, world_size):
+        import sys
 
         sys.argv = [path, *argv]  # what torchrun gives the script
         return main()
