@@ -1133,7 +1133,7 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # `min(1, max_norm / (norm + 1e-6))`. Here `norm` is the norm of the *whole* mean gradient. Use one
 # `reduce_scatter`, then one `all_reduce` of a single number.
 #
-# The check runs it on 2 and on 3 ranks, with shards of 12, then 10 numbers. It runs with and
+# The check runs it at two world sizes, with shards of their own sizes. It runs with and
 # without clipping, against the reference. It looks at what your collectives delivered. `flat_grad`
 # must be left as it was, since it is the caller's. It prints "✓ correct", or fails with what is
 # wrong. Until you write the function, it says "not attempted yet". Stuck?

@@ -9,9 +9,9 @@
 # silent: LayerNorm gradients left unsummed (Megatron-LM#443, #1446), norms that count a
 # parameter twice (NeMo-RL#3788), divide factors that miss the replicas (pytorch#155903).
 #
-# **Short answer: divide once, by the data-parallel ranks; sum over the tensor-parallel
-# ranks.** Each rank's loss is its sum of errors over the count of its data-parallel rank's
-# batch. FSDP2 divides by the data-parallel ranks: R·S on an HSDP mesh, the total that
+# **Short answer: divide once, by the data shards, the data-parallel × context-parallel ranks;
+# sum over the tensor-parallel ranks.** Each rank's loss is its sum of errors over the count of
+# its data-parallel rank's batch, every sequence shard included. FSDP2 divides by the data-parallel ranks: R·S on an HSDP mesh, the total that
 # `set_gradient_divide_factor` sets. A parameter replicated over tensor-parallel ranks gets
 # their partial gradients **summed**, never averaged. On a 2 × 2 mesh, a factor equal to the
 # shard size gives ×2. Each claim is measured below, in float64, against one process.
@@ -696,9 +696,9 @@ assert [r[5].split(":")[1] for r in rows[1:]] == [" nothing", " all-reduce SUM",
 assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in rows[2][3]
 
 # %% [markdown]
-# The rule behind the table has three parts. Divide once, by the data-parallel ranks (FSDP2's
-# factor: R·S, or dp). Sum over the TP ranks a gradient of which each holds a share. Leave alone
-# what each rank holds whole.
+# The rule behind the table has three parts. Divide once, by the data shards (FSDP2's factor:
+# R·S, or dp; dp × cp with context parallel). Sum over the TP ranks a gradient of which each
+# holds a share. Leave alone what each rank holds whole.
 #
 # ## Copy this into your code
 #
@@ -847,9 +847,21 @@ gst.exercises.check_gradient_plan(gradient_plan)
 # %% [markdown]
 # ## Summary
 #
-# - Divide by the data-parallel ranks once. FSDP2's default does it; so does
+# - Divide once, by the data shards: the data-parallel ranks, × the context-parallel ones when
+#   the sequence is split. FSDP2's default does it over dp; so does
 #   `set_gradient_divide_factor(R·S)` on an HSDP mesh. The shard size is wrong.
 # - Each rank's loss is its sum over its data rank's count, every sequence shard included.
 # - A parameter replicated over TP ranks that see different tokens gets a **sum**. DTensor
 #   keeps it `Partial(sum)`; code by hand must all-reduce with `SUM`.
 # - Count replicated parameters once in a gradient norm, or use `clip_grad_norm_` on DTensors.
+#
+# The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.

@@ -470,10 +470,20 @@ for grad in (None, torch.zeros(2)):
 #
 # ## The one rule of notebooks 02, 07, 08, 10, 11 and 12
 #
-# Divide by the number of data shards that contributed to the loss. Never divide by the size of
-# the group a parameter happens to be reduced over. Sum, never average, the partial gradients
-# of a parameter. Notebooks 10 and 11 reach it for 2-D meshes, tensor parallelism and
-# pipelines. The table below is computed from this notebook's checks, at W = 4.
+# The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.
+#
+# Here the experts' rule is the mean form: each rank's mean, ÷ W, the data shards. Notebooks 10
+# and 11 reach the rule for 2-D meshes, tensor parallelism and pipelines. The table below is
+# computed from this notebook's checks, at W = 4.
 
 # %%
 W4 = 4
