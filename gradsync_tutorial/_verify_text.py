@@ -21,11 +21,11 @@ from ._wording import plural, ranks
 
 __all__ = ["name_factor", "ranks", "report", "row", "shared_factor", "verdict"]
 
-WRAPPED_REFERENCE = (
-    "reference must be a plain nn.Module with the model's initial weights, not the model itself "
-    "nor a wrapped one (FSDP2 modules refuse copy.deepcopy). Take copy.deepcopy(model) before "
-    "fully_shard (and before DistributedDataParallel or parallelize_module) and pass that copy "
-    "as reference=."
+SHARDED_REFERENCE = (
+    "reference must hold whole parameters, the model's weights before this step: this one is "
+    "sharded (its parameters are DTensors, and FSDP2 modules refuse copy.deepcopy). Take "
+    "copy.deepcopy(model) before fully_shard (or parallelize_module) and pass that copy as "
+    "reference=."
 )
 NO_BATCH = "no batch: pass this rank's local_batch, or micro_batches=[...] with at least one."
 MICRO_STRUCTURE = ("this rank's micro-batches do not share one structure (types, dtypes, "

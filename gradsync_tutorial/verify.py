@@ -213,9 +213,8 @@ def _user_params(model: nn.Module, name_map: Mapping[str, str] | None) -> dict:
     return out
 
 
-def _is_wrapped(module: nn.Module) -> bool:
-    if isinstance(module, nn.parallel.DistributedDataParallel):
-        return True
+def _is_sharded(module: nn.Module) -> bool:
+    """FSDP2 or tensor parallelism: parameters that are DTensors (and refuse deepcopy)."""
     kinds = {c.__name__ for m in module.modules() for c in type(m).__mro__}
     return "FSDPModule" in kinds or any(type(p).__name__ == "DTensor" for p in module.parameters())
 
@@ -242,8 +241,8 @@ def _arch_error(user: dict, reference: nn.Module) -> str | None:
 
 def _local_refusal(model, reference, batches, name_map) -> str | None:
     """What this rank alone can tell is wrong, worded for the user; None if nothing."""
-    if reference is model or _is_wrapped(reference):
-        return _text.WRAPPED_REFERENCE
+    if _is_sharded(reference):
+        return _text.SHARDED_REFERENCE
     if not batches:
         return _text.NO_BATCH
     labels = ["local_batch"] if len(batches) == 1 else [f"micro_batches[{i}]" for i in
@@ -451,10 +450,14 @@ def verify_gradients(
         local_batch: this rank's batch: a tensor, or a tuple, list or dict of tensors.
         loss_fn: ``loss_fn(module, batch)``: the loss ONE process minimises on a whole batch
             (a mean over samples, a token mean with ``ignore_index``...), not your per-rank one.
-        reference: a plain copy with the same initial weights, taken before any wrapper
-            (``copy.deepcopy(model)`` before DDP / ``fully_shard`` / ``parallelize_module``).
+        reference: a module with whole parameters holding the weights this step started
+            from: ``copy.deepcopy(model)`` taken before ``fully_shard`` / ``parallelize_module``
+            (a plain or DDP model may be passed itself: it is only read, on a copy).
         rtol: the relative error allowed; default from the gradients' dtype.
-        group: the data-parallel process group whose batches make the whole batch.
+        group: the data-parallel process group whose batches make the whole batch (with
+            nccl, each rank's current CUDA device set, as torchrun scripts do). For a pipeline
+            without data parallelism, the first stage passes the batch and the others empty
+            tensors (0 rows) of the same structure.
         name_map: your parameter name -> the reference's, for a pipeline stage or a model
             that names them differently. Each rank compares the parameters it holds.
         micro_batches: with gradient accumulation, this rank's micro-batches in order, instead
@@ -474,6 +477,8 @@ def verify_gradients(
         raise CannotVerify("pass local_batch or micro_batches=[...], not both "
                            "(verify_gradients(model, None, loss_fn, micro_batches=[...])).")
     batches = list(micro_batches) if micro_batches is not None else [local_batch]
+    if isinstance(reference, nn.parallel.DistributedDataParallel):
+        reference = reference.module  # DDP's weights are the plain model's: only read
     facts = _gather(_facts(model, reference, batches, name_map), group)
     _refuse_together(facts)
     found = _gather(_findings(model, reference, loss_fn, facts, name_map, concat), group)

@@ -70,6 +70,13 @@ def _steps(rank, world_size):
                         and all(torch.equal(g, p.grad) for g, p in pairs)
                         and torch.equal(rng, torch.get_rng_state())
                         and all(p.grad is None for p in ref.parameters()))
+    # float32: the tolerance follows the dtype; a DDP model passed as its own reference.
+    torch.manual_seed(0)
+    ddp32 = DDP(nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)))
+    batch32 = tuple(t.float() for t in batch)
+    mean_loss(ddp32, batch32).backward()
+    rep = verify_gradients(ddp32, batch32, mean_loss, reference=ddp32)
+    out["float32"] = summary(rep) | {"rtol": rep.rtol, "dtype": rep.dtype}
     # DDP, then divided once more by N.
     for p in model.parameters():
         p.grad /= world_size
@@ -171,7 +178,8 @@ def _refusals(rank, world_size):
         "not_tensors": attempt(linear, batch=[1, 2, 3]),
         "structure": attempt(linear, batch=batch if rank == 0 else (batch,)),
         "architecture": attempt(linear, reference=nn.Linear(3, 2).double()),
-        "itself": attempt(linear, reference=linear),
+        "reference_dropout": attempt(nn.Linear(3, 1).double(),
+                                     reference=nn.Sequential(nn.Linear(3, 1), nn.Dropout(0.1))),
     }
 
     def fails_on_one(module, b):
@@ -214,6 +222,13 @@ def test_right_steps_pass_to_float64_rounding(steps):
         assert out["text"].splitlines()[-1].startswith("OK: all")
 
 
+def test_float32_is_judged_to_its_own_rounding(steps):
+    out = steps[0]["float32"]
+    assert out["ok"] and out["rtol"] == 1e-5 and out["dtype"] == "float32", out["text"]
+    assert 0 < out["rel"] < 1e-5
+    assert "float32 rounding allows about 1e-05" in out["text"]
+
+
 def test_the_check_leaves_the_users_state_as_it_was(steps):
     assert steps[0]["untouched"] and steps[1]["untouched"]
 
@@ -246,6 +261,37 @@ def test_ranks_that_disagree_are_a_missing_sync(steps):
     assert "missing or partial sync" in out["diagnosis"]
 
 
+def _three_ranks(rank, world_size):
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from gradsync_tutorial.verify import verify_gradients
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, dtype=torch.float64) + rank
+
+    def loss_fn(module, batch):
+        return module(batch).pow(2).mean()
+
+    loss_fn(model, x).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)  # summed over 3 ranks, never divided
+    rep = verify_gradients(model, None, loss_fn, reference=reference,
+                           micro_batches=[x[:1], x[1:]])
+    return rep.ok, rep.worst.factor, rep.worst.diagnosis
+
+
+def test_three_ranks_and_two_micro_batches_tell_the_factors_apart():
+    for ok, factor, diagnosis in gst.launch(_three_ranks, world_size=3, backend="gloo",
+                                            timeout=180):
+        assert not ok and factor == pytest.approx(3.0, rel=1e-12)
+        assert diagnosis.startswith("factor 3 = the world size: summed"), diagnosis
+
+
 @pytest.fixture(scope="module")
 def refusals():
     return gst.launch(_refusals, world_size=2, backend="gloo", timeout=180)
@@ -258,7 +304,7 @@ def refusals():
     ("not_tensors", "local_batch[0] is of type int, not a tensor"),
     ("structure", "rank 1 passed batches of another structure"),
     ("architecture", "the reference is not the model's architecture"),
-    ("itself", "copy.deepcopy(model) before fully_shard"),
+    ("reference_dropout", "the reference has an active dropout layer '1' (p=0.1)"),
     ("loss_fn", "raised on rank 1: RuntimeError: this loss fails on rank 1"),
     ("fsdp_reference", "take copy.deepcopy(model) before fully_shard"),
 ])
