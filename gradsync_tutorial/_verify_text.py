@@ -53,12 +53,15 @@ RANKS_DIFFER = ("verify_gradients cannot check this step: {ranks} passed {what} 
 NOT_HELD = ("verify_gradients cannot check this step: no rank holds the reference's "
             "parameters {missing}: is the reference the model's architecture? (For a "
             "pipeline, name_map maps each stage's names.)")
-NOT_A_LOSS = "loss_fn must return a scalar tensor that requires grad, got a {got}"
+NOT_A_LOSS = ("loss_fn must return one number as a tensor that requires grad (the reference's "
+              "parameters must require grad), got {got}")
 LOSS_FAILED = ("verify_gradients cannot check this step: computing one process's gradient "
                "(loss_fn on a copy of the reference, on the whole batch) raised on rank {rank}: "
                "{error}")
 SPLIT = "the ranks hold different gradients ({ranks} differ): a missing or partial sync"
 NO_GRADIENT = "no gradient {where}: unused or frozen parameter"
+CLOSE = ("close, but beyond the dtype's rounding: a lower precision somewhere (autocast, a bf16 "
+         "reduction) or a slight weighting difference; check in float64")
 
 
 def _fmt(x: float) -> str:
@@ -156,6 +159,8 @@ def _diagnose(s: dict, rtol: float, world_size: int, micro: int, sizes, shared) 
         return rel, f, "not exact, beyond the dtype's rounding: check in float64", False
     if named:
         return rel, f, named, False
+    if rel <= 1e-2:
+        return rel, f, CLOSE, False
     if cosine >= 0.5:
         return rel, f, ("weighted differently: a mean of per-rank/per-micro-batch means where "
                         "the counts differ (notebook 07)"), False

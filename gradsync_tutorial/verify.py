@@ -336,7 +336,9 @@ def _reference_grads(reference: nn.Module, loss_fn, batch, device: torch.device)
     with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         loss = loss_fn(twin, batch)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-            raise TypeError(_text.NOT_A_LOSS.format(got=type(loss).__name__))
+            got = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
+                   if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
+            raise TypeError(_text.NOT_A_LOSS.format(got=got))
         grads = iter(torch.autograd.grad(loss.reshape(()), trainable, allow_unused=True))
     return {n: (next(grads) if p.requires_grad else None) for n, p in named}
 

@@ -347,3 +347,35 @@ def test_names_factors_and_padding():
     batch = padded({"ids": 0, "labels": -100})(chunks)
     assert batch["labels"].tolist() == [[1, 1], [1, -100]] and batch["ids"][1, 1] == 0
     assert math.isfinite(float(batch["ids"].sum()))
+
+
+def _one_process_case(perturb=None, loss_fn=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(6, 3)
+    default_loss = lambda m, b: m(b).pow(2).mean()
+    default_loss(model, x).backward()
+    if perturb:
+        perturb(model)
+    return verify_gradients(model, x, loss_fn or default_loss, reference=model)
+
+
+def test_rounding_noise_a_missing_gradient_and_a_bad_loss_are_told_apart():
+    def noise(model):
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad += 1e-4 * p.grad.abs().max() * torch.randn(p.grad.shape, generator=g)
+
+    close = _one_process_case(noise)
+    assert not close.ok and close.dtype == "float32" and "close, but beyond" in str(close)
+
+    def drop(model):
+        model[0].bias.grad = None
+
+    missing = _one_process_case(drop)
+    rows = {r.name: r for r in missing.rows}
+    assert not rows["0.bias"].ok and "no gradient on your side" in rows["0.bias"].diagnosis
+    assert all(r.ok for name, r in rows.items() if name != "0.bias")
+
+    with pytest.raises(CannotVerify, match=r"one number .* got a tensor of shape \(6, 1\)"):
+        _one_process_case(loss_fn=lambda m, b: m(b))
