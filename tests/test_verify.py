@@ -95,6 +95,12 @@ def _steps(rank, world_size):
         manual(model, micro, divide_by_k=divide)
         out[f"accumulate_{divide}"] = summary(
             verify_gradients(model, None, mean_loss, reference=ref, micro_batches=micro))
+    # Two micro-batches on two ranks: factor 2 reads as either count, and says both.
+    model = net()
+    ref = copy.deepcopy(model)
+    manual(model, micro[:2], divide_by_k=False)
+    out["accumulate2_False"] = summary(
+        verify_gradients(model, None, mean_loss, reference=ref, micro_batches=micro[:2]))
     # Unequal local batches (6 and 2): a per-rank mean, then the global-count fix.
     uneven = local(6 if rank == 0 else 2, 4)
     for fix in (False, True):
@@ -246,6 +252,14 @@ def test_a_wrong_factor_is_named(steps, case, factor, words):
     assert words in out["diagnosis"]
     assert out["norms"][0] == pytest.approx(factor * out["norms"][1], rel=1e-9)
     assert out["text"].splitlines()[-1].startswith("WRONG: ")
+
+
+def test_with_as_many_micro_batches_as_ranks_both_readings_are_given(steps):
+    out = steps[0]["accumulate2_False"]
+    assert not out["ok"] and out["factor"] == pytest.approx(2.0, rel=1e-9)
+    assert out["diagnosis"] == (
+        "factor 2 = the world size = the micro-batch count: summed, not divided by the world "
+        "size (notebook 02), or not divided by the micro-batches (notebooks 07, 11)")
 
 
 def test_a_mean_of_per_rank_means_is_a_weighting_not_a_factor(steps):
