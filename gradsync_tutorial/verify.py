@@ -42,7 +42,6 @@ Introduced with issue 48 (a notebook will show it); the mistakes it names are no
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,15 +51,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _verify_text as _text
+from . import _verify_report as _report
+from ._verify_report import DEFAULT_RTOL
 
-__all__ = ["CannotVerify", "Report", "Row", "padded", "verify_gradients"]
+__all__ = ["DEFAULT_RTOL", "CannotVerify", "Report", "Row", "clean_name", "padded",
+           "verify_gradients"]
 
 #: Path parts that wrappers add to parameter names (DDP adds a leading ``module.``).
 WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-#: The default rtol per gradient dtype: what its rounding allows on a small model.
-DEFAULT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2,
-                torch.float16: 1e-2}
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
              nn.FeatureAlphaDropout)
 
@@ -105,10 +103,10 @@ class Report:
     @property
     def verdict(self) -> str:
         """One line in plain words."""
-        return _text.verdict(self)
+        return _report.verdict(self)
 
     def __str__(self) -> str:
-        return _text.report(self)
+        return _report.report(self)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,10 +220,10 @@ def _is_sharded(module: nn.Module) -> bool:
 def _stochastic(module: nn.Module, who: str, sync_bn_ok: bool) -> str | None:
     for name, m in module.named_modules():
         if m.training and isinstance(m, _DROPOUTS) and m.p > 0:
-            return _text.DROPOUT.format(who=who, name=name or type(m).__name__, p=m.p)
+            return _report.DROPOUT.format(who=who, name=name or type(m).__name__, p=m.p)
         if m.training and isinstance(m, _BatchNorm) and not sync_bn_ok:
             if not isinstance(m, nn.SyncBatchNorm):
-                return _text.BATCHNORM.format(who=who, name=name or type(m).__name__)
+                return _report.BATCHNORM.format(who=who, name=name or type(m).__name__)
     return None
 
 
@@ -235,16 +233,16 @@ def _arch_error(user: dict, reference: nn.Module) -> str | None:
     shapes = [f"{n} {tuple(p.shape)} vs {ref[n]}" for n, p in user.items()
               if n in ref and tuple(p.shape) != ref[n]]
     if unknown or shapes:
-        return _text.ARCHITECTURE.format(unknown=unknown or "none", shapes=shapes or "none")
+        return _report.ARCHITECTURE.format(unknown=unknown or "none", shapes=shapes or "none")
     return None
 
 
 def _local_refusal(model, reference, batches, name_map) -> str | None:
     """What this rank alone can tell is wrong, worded for the user; None if nothing."""
     if _is_sharded(reference):
-        return _text.SHARDED_REFERENCE
+        return _report.SHARDED_REFERENCE
     if not batches:
-        return _text.NO_BATCH
+        return _report.NO_BATCH
     labels = ["local_batch"] if len(batches) == 1 else [f"micro_batches[{i}]" for i in
                                                         range(len(batches))]
     try:
@@ -252,7 +250,7 @@ def _local_refusal(model, reference, batches, name_map) -> str | None:
     except TypeError as e:
         return f"{e}."
     if len(shapes) > 1:
-        return _text.MICRO_STRUCTURE
+        return _report.MICRO_STRUCTURE
     sync_bn = any(isinstance(m, nn.SyncBatchNorm) and m.training for m in model.modules())
     error = _stochastic(model, "the model", False) or _stochastic(reference, "the reference",
                                                                    sync_bn)
@@ -260,7 +258,7 @@ def _local_refusal(model, reference, batches, name_map) -> str | None:
         return error
     trainable = [p for p in model.parameters() if p.requires_grad]
     if trainable and all(p.grad is None for p in trainable):
-        return _text.NO_GRADIENTS
+        return _report.NO_GRADIENTS
     return _arch_error(_user_params(model, name_map), reference)
 
 
@@ -293,18 +291,18 @@ def _refuse_together(facts: list) -> None:
     if bad:
         rank, error = bad[0]
         others = [r for r, e in bad[1:] if e == error]
-        who = _text.ranks([rank, *others])
+        who = _report.ranks([rank, *others])
         raise CannotVerify(f"verify_gradients cannot check this step ({who}): {error}")
     for what, key in (("batches of another structure", "structure"),
                       ("a different number of micro-batches", "micro_batches"),
                       ("references of different architectures", "reference")):
         differ = [r for r, f in enumerate(facts) if f[key] != facts[0][key]]
         if differ:
-            raise CannotVerify(_text.RANKS_DIFFER.format(ranks=_text.ranks(differ), what=what))
+            raise CannotVerify(_report.RANKS_DIFFER.format(ranks=_report.ranks(differ), what=what))
     held = {n for f in facts for n in f["held"]}
     missing = [n for n in facts[0]["reference"] if n not in held]
     if missing:
-        raise CannotVerify(_text.NOT_HELD.format(missing=missing))
+        raise CannotVerify(_report.NOT_HELD.format(missing=missing))
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +336,7 @@ def _reference_grads(reference: nn.Module, loss_fn, batch, device: torch.device)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
             got = (f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}"
                    if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}")
-            raise TypeError(_text.NOT_A_LOSS.format(got=got))
+            raise TypeError(_report.NOT_A_LOSS.format(got=got))
         grads = iter(torch.autograd.grad(loss.reshape(()), trainable, allow_unused=True))
     return {n: (next(grads) if p.requires_grad else None) for n, p in named}
 
@@ -366,8 +364,44 @@ def _stats(g: torch.Tensor | None, r: torch.Tensor | None) -> dict:
     return out
 
 
-def _findings(model, reference, loss_fn, facts, name_map, concat) -> dict:
-    """This rank's per-parameter sums, or the error its reference computation raised."""
+def _rows(batch: Any) -> int:
+    """How many samples a batch holds: its first tensor's size along dim 0."""
+    while not isinstance(batch, torch.Tensor):
+        batch = next(iter(batch.values() if isinstance(batch, Mapping) else batch))
+    return batch.shape[0] if batch.dim() else 1
+
+
+def _chunk_weights(reference, loss_fn, chunks, device, mine: dict, ref: dict) -> dict | None:
+    """Your gradient as a weighted sum of one process's gradients on each chunk (rank 0's
+    micro-batches, then rank 1's...): the weights you give them, the ones one process gives
+    them (their counts' shares), and what no weighting explains. None where the chunks'
+    gradients cannot tell weights apart (fewer numbers than chunks)."""
+    names = [n for n, g in mine.items() if g is not None and ref.get(n) is not None]
+    kept = [i for i, chunk in enumerate(chunks) if _rows(chunk)]
+    if len(kept) < 2 or not names:
+        return None
+
+    def flat(grads: dict) -> torch.Tensor:
+        parts = [grads[n] if grads.get(n) is not None else torch.zeros_like(ref[n])
+                 for n in names]
+        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in parts])
+
+    basis = torch.stack([flat(_reference_grads(reference, loss_fn,
+                                               _map(chunks[i], lambda t: t.to(device)),
+                                               device)) for i in kept], dim=1)
+    if basis.shape[0] <= basis.shape[1] or torch.linalg.matrix_rank(basis) < basis.shape[1]:
+        return None
+    yours, theirs = flat(mine), flat(ref)
+    w = torch.linalg.lstsq(basis, yours[:, None]).solution[:, 0]
+    w_ref = torch.linalg.lstsq(basis, theirs[:, None]).solution[:, 0]
+    left = (basis @ w - yours).norm() / yours.norm().clamp_min(1e-300)
+    return {"chunks": kept, "yours": w.tolist(), "one_process": w_ref.tolist(),
+            "residual": left.item()}
+
+
+def _findings(model, reference, loss_fn, facts, name_map, concat, rtol) -> dict:
+    """This rank's per-parameter sums (and, for a wrong gradient that no factor explains, the
+    chunks' weights), or the error its reference computation raised."""
     mine = _user_grads(model, name_map)  # first: full_tensor() is a collective
     first = next(iter(reference.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -375,58 +409,13 @@ def _findings(model, reference, loss_fn, facts, name_map, concat) -> dict:
         chunks = [b for f in facts for b in f["batches"]]
         batch = _map((concat or concat_dim0)(chunks), lambda t: t.to(device))
         ref = _reference_grads(reference, loss_fn, batch, device)
+        params = {n: _stats(g, ref.get(n)) for n, g in mine.items()}
+        weights = None
+        if _report.needs_weights(params, rtol):
+            weights = _chunk_weights(reference, loss_fn, chunks, device, mine, ref)
     except Exception as e:  # told to every rank, then raised on every rank
         return {"error": f"{type(e).__name__}: {e}"}
-    return {"error": None, "params": {n: _stats(g, ref.get(n)) for n, g in mine.items()}}
-
-
-# --------------------------------------------------------------------------------------------
-# Together: one report, the same on every rank
-# --------------------------------------------------------------------------------------------
-
-
-def _agree(a: dict, b: dict, tol: float) -> bool:
-    if a["mine"] != b["mine"]:
-        return False
-    if not a["mine"]:
-        return True
-    scale = math.sqrt(max(a["gg"], b["gg"]))
-    return (abs(a["gg"] - b["gg"]) <= tol * max(a["gg"], b["gg"])
-            and abs(a["print"] - b["print"]) <= tol * scale * 10)
-
-
-def _pick(found: list, name: str, rtol: float) -> tuple:
-    """``(name, the worst holder's sums, the ranks whose gradients differ)`` of one parameter."""
-    holders = [(r, f["params"][name]) for r, f in enumerate(found) if name in f["params"]]
-    split = [r for r, s in holders if not _agree(holders[0][1], s, rtol)]
-    worst = max((s for _, s in holders), key=lambda s: s.get("dd", 0.0))
-    return name, worst, ([holders[0][0], *split] if split else [])
-
-
-def _combine(found: list, order: list, rtol: float | None, world_size: int, micro: int,
-             group_sizes: Mapping[str, int] | None) -> Report:
-    errors = [(r, f["error"]) for r, f in enumerate(found) if f["error"]]
-    if errors:
-        rank, error = errors[0]
-        raise CannotVerify(_text.LOSS_FAILED.format(rank=rank, error=error))
-    dtypes = {s["dtype"] for f in found for s in f["params"].values() if s["dtype"]}
-    if rtol is None:
-        rtol = max((DEFAULT_RTOL.get(getattr(torch, d[6:]), 1e-5) for d in dtypes),
-                   default=1e-10)
-    picked = [_pick(found, name, rtol) for name in order]
-    shared = _text.shared_factor([s for _, s, split in picked if not split], rtol)
-    rows = []
-    for name, s, split in picked:
-        row = _text.row(name, s, rtol, world_size, micro, group_sizes or {}, shared)
-        if split:
-            row = Row(name, row.rel_error, row.factor, row.max_abs_diff,
-                      _text.SPLIT.format(ranks=_text.ranks(split)), False)
-        rows.append(row)
-    gg = sum(s.get("gg", 0.0) for _, s, _ in picked)
-    rr = sum(s.get("rr", 0.0) for _, s, _ in picked)
-    dtype = min(dtypes, key=lambda d: -DEFAULT_RTOL.get(getattr(torch, d[6:]), 0), default="?")
-    return Report(all(r.ok for r in rows), tuple(rows), math.sqrt(gg), math.sqrt(rr), rtol,
-                  dtype.replace("torch.", ""), world_size, micro)
+    return {"error": None, "params": params, "weights": weights}
 
 
 def verify_gradients(
@@ -483,5 +472,6 @@ def verify_gradients(
         reference = reference.module  # DDP's weights are the plain model's: only read
     facts = _gather(_facts(model, reference, batches, name_map), group)
     _refuse_together(facts)
-    found = _gather(_findings(model, reference, loss_fn, facts, name_map, concat), group)
-    return _combine(found, facts[0]["reference"], rtol, len(facts), len(batches), group_sizes)
+    found = _gather(_findings(model, reference, loss_fn, facts, name_map, concat, rtol), group)
+    return _report.combine(found, facts[0]["reference"], rtol, len(facts), len(batches),
+                           group_sizes or {})

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradsync_tutorial as gst
-from gradsync_tutorial._verify_text import name_factor
+from gradsync_tutorial._verify_report import name_factor
 from gradsync_tutorial.verify import CannotVerify, clean_name, padded, verify_gradients
 
 
@@ -111,6 +111,12 @@ def _steps(rank, world_size):
         loss = loss.sum() / 8 * world_size if fix else loss.mean()
         loss.backward()
         out[f"uneven_{fix}"] = summary(verify_gradients(ddp, uneven, mean_loss, reference=ref))
+    # Another loss than the reference's (targets shifted): no factor, no weighting.
+    model = net()
+    ref = copy.deepcopy(model)
+    mean_loss(model, (batch[0], batch[1] + 3)).backward()
+    manual(model, [], divide_by_n=True)
+    out["other_loss"] = summary(verify_gradients(model, batch, mean_loss, reference=ref))
     # No sync at all: the ranks disagree.
     model = net()
     ref = copy.deepcopy(model)
@@ -266,6 +272,15 @@ def test_a_mean_of_per_rank_means_is_a_weighting_not_a_factor(steps):
     out = steps[0]["uneven_False"]
     assert not out["ok"]
     assert "weighted differently" in out["diagnosis"] and "notebook 07" in out["diagnosis"]
+    # 6 samples on rank 0, 2 on rank 1: one process weighs their means 6/8 and 2/8
+    assert out["diagnosis"].endswith(
+        "you weigh the ranks' batches 0.5, 0.5, one process 0.75, 0.25 (their counts' shares)")
+
+
+def test_another_loss_is_neither_a_factor_nor_a_weighting(steps):
+    out = steps[0]["other_loss"]
+    assert not out["ok"]
+    assert out["diagnosis"].startswith("a different gradient, not a factor nor a weighting")
 
 
 def test_ranks_that_disagree_are_a_missing_sync(steps):

@@ -1,7 +1,7 @@
-"""What :mod:`gradsync_tutorial.verify` says: the refusals, each parameter's diagnosis, the
-verdict and the table, worded once.
+"""What :mod:`gradsync_tutorial.verify` makes of every rank's findings: one report, the same on
+every rank, each parameter's diagnosis, and the words of the refusals, the verdict and the table.
 
-    >>> from gradsync_tutorial._verify_text import name_factor
+    >>> from gradsync_tutorial._verify_report import name_factor
     >>> name_factor(2.0, world_size=2, micro=3, sizes={}, tol=1e-6)
     'factor 2 = the world size: summed, not divided by the world size (notebook 02)'
     >>> name_factor(1 / 6, world_size=2, micro=3, sizes={}, tol=1e-6)
@@ -17,9 +17,16 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from ._wording import plural, ranks
 
-__all__ = ["name_factor", "ranks", "report", "row", "shared_factor", "verdict"]
+__all__ = ["DEFAULT_RTOL", "combine", "name_factor", "needs_weights", "ranks", "report", "row",
+           "shared_factor", "verdict"]
+
+#: The default rtol per gradient dtype: what its rounding allows on a small model.
+DEFAULT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2,
+                torch.float16: 1e-2}
 
 SHARDED_REFERENCE = (
     "reference must hold whole parameters, the model's weights before this step: this one is "
@@ -60,6 +67,10 @@ LOSS_FAILED = ("verify_gradients cannot check this step: computing one process's
                "{error}")
 SPLIT = "the ranks hold different gradients ({ranks} differ): a missing or partial sync"
 NO_GRADIENT = "no gradient {where}: unused or frozen parameter"
+WEIGHTED = ("weighted differently: a mean of per-rank/per-micro-batch means where the counts "
+            "differ (notebook 07)")
+DIFFERENT = ("a different gradient, not a factor nor a weighting: another loss, other data or "
+             "another model than the reference")
 CLOSE = ("close, but beyond the dtype's rounding: a lower precision somewhere (autocast, a bf16 "
          "reduction) or a slight weighting difference; check in float64")
 
@@ -142,7 +153,8 @@ def shared_factor(stats: list, rtol: float) -> float | None:
     return None
 
 
-def _diagnose(s: dict, rtol: float, world_size: int, micro: int, sizes, shared) -> tuple:
+def _diagnose(s: dict, rtol: float, world_size: int, micro: int, sizes, shared,
+              weights) -> tuple:
     rel = math.sqrt(s["dd"] / s["rr"]) if s["rr"] else (0.0 if s["dd"] == 0 else math.inf)
     if rel <= rtol:
         return rel, (s["gr"] / s["rr"] if s["rr"] else 1.0), "exact", True
@@ -161,23 +173,93 @@ def _diagnose(s: dict, rtol: float, world_size: int, micro: int, sizes, shared) 
         return rel, f, named, False
     if rel <= 1e-2:
         return rel, f, CLOSE, False
-    if cosine >= 0.5:
-        return rel, f, ("weighted differently: a mean of per-rank/per-micro-batch means where "
-                        "the counts differ (notebook 07)"), False
-    return rel, f, ("a different gradient, not a factor nor a weighting: another loss, other "
-                    "data or another model than the reference"), False
+    if weights is not None:  # the chunks' gradients tell: weighted, or something else
+        fits = weights["residual"] <= _tol(rtol)
+        return rel, f, (_weighted(weights, micro) if fits else DIFFERENT), False
+    return rel, f, (WEIGHTED if cosine >= 0.5 else DIFFERENT), False
+
+
+def _weighted(weights: dict, micro: int) -> str:
+    what = "ranks' batches" if micro == 1 else "micro-batches (rank 0's first)"
+
+    def listed(ws: list) -> str:
+        return ", ".join(f"{w:.3g}" for w in ws[:8]) + (", ..." if len(ws) > 8 else "")
+
+    return (f"{WEIGHTED}: you weigh the {what} {listed(weights['yours'])}, one process "
+            f"{listed(weights['one_process'])} (their counts' shares)")
 
 
 def row(name: str, s: dict, rtol: float, world_size: int, micro: int, sizes,
-        shared: float | None = None) -> Any:
+        shared: float | None = None, weights: dict | None = None) -> Any:
     """The :class:`~gradsync_tutorial.verify.Row` of one parameter's combined sums;
-    ``shared``: the factor all wrong gradients share, if they do."""
+    ``shared``: the factor all wrong gradients share, if they do; ``weights``: the chunks'."""
     from .verify import Row
 
     if not (s["mine"] and s["ref"]):
         return Row(name, *_missing(name, s, rtol))
-    rel, f, diagnosis, ok = _diagnose(s, rtol, world_size, micro, sizes, shared)
+    rel, f, diagnosis, ok = _diagnose(s, rtol, world_size, micro, sizes, shared, weights)
     return Row(name, rel, f, s["max"], diagnosis, ok)
+
+
+def _rtol_of(dtypes: set, rtol: float | None) -> float:
+    """The rtol asked for, else the loosest that the gradients' dtypes call for."""
+    if rtol is not None:
+        return rtol
+    return max((DEFAULT_RTOL.get(getattr(torch, d[6:]), 1e-5) for d in dtypes), default=1e-10)
+
+
+def needs_weights(params: dict, rtol: float | None) -> bool:
+    """Does this rank hold a clearly wrong gradient that no one factor explains? Then its
+    chunks' weights are worth fitting (they cost a backward per chunk)."""
+    stats = [s for s in params.values() if s["mine"] and s["ref"] and s["rr"]]
+    rtol = _rtol_of({s["dtype"] for s in stats}, rtol)
+    wrong = any(s["dd"] > 1e-4 * s["rr"] for s in stats)  # a relative error over 1e-2
+    return wrong and shared_factor(stats, rtol) is None
+
+
+def _agree(a: dict, b: dict, tol: float) -> bool:
+    if a["mine"] != b["mine"]:
+        return False
+    if not a["mine"]:
+        return True
+    scale = math.sqrt(max(a["gg"], b["gg"]))
+    return (abs(a["gg"] - b["gg"]) <= tol * max(a["gg"], b["gg"])
+            and abs(a["print"] - b["print"]) <= tol * scale * 10)
+
+
+def _pick(found: list, name: str, rtol: float) -> tuple:
+    """``(name, the worst holder's sums, the ranks whose gradients differ)`` of one parameter."""
+    holders = [(r, f["params"][name]) for r, f in enumerate(found) if name in f["params"]]
+    split = [r for r, s in holders if not _agree(holders[0][1], s, rtol)]
+    worst = max((s for _, s in holders), key=lambda s: s.get("dd", 0.0))
+    return name, worst, ([holders[0][0], *split] if split else [])
+
+
+def combine(found: list, order: list, rtol: float | None, world_size: int, micro: int,
+            sizes: Mapping[str, int]) -> Any:
+    """Every rank's findings -> the :class:`~gradsync_tutorial.verify.Report`, the same on
+    every rank (or the same CannotVerify raised on every rank)."""
+    from .verify import CannotVerify, Report, Row
+
+    errors = [(r, f["error"]) for r, f in enumerate(found) if f["error"]]
+    if errors:
+        raise CannotVerify(LOSS_FAILED.format(rank=errors[0][0], error=errors[0][1]))
+    dtypes = {s["dtype"] for f in found for s in f["params"].values() if s["dtype"]}
+    rtol = _rtol_of(dtypes, rtol)
+    picked = [_pick(found, name, rtol) for name in order]
+    shared = shared_factor([s for _, s, split in picked if not split], rtol)
+    weights = next((f["weights"] for f in found if f["weights"]), None)
+    rows = []
+    for name, s, split in picked:
+        one = row(name, s, rtol, world_size, micro, sizes, shared, weights)
+        if split:
+            one = Row(name, one.rel_error, one.factor, one.max_abs_diff,
+                      SPLIT.format(ranks=ranks(split)), False)
+        rows.append(one)
+    norms = [math.sqrt(sum(s.get(k, 0.0) for _, s, _ in picked)) for k in ("gg", "rr")]
+    dtype = max(dtypes, key=lambda d: DEFAULT_RTOL.get(getattr(torch, d[6:]), 0), default="?")
+    return Report(all(r.ok for r in rows), tuple(rows), *norms, rtol,
+                  dtype.replace("torch.", ""), world_size, micro)
 
 
 def verdict(rep: Any) -> str:
