@@ -1,12 +1,14 @@
 """Is my own distributed step right? Compare its gradients with one process's on the whole batch.
 
 Call :func:`verify_gradients` on every rank after your backward(s) and whatever gradient sync
-you do (DDP, FSDP2, a manual ``all_reduce``, accumulation), before ``optimizer.step()``. It
-gathers every rank's batch, lets a plain copy of the model (``reference``, taken before any
-wrapper) compute the gradient that ONE process would get on the whole batch, and compares it
-with yours, parameter by parameter. A wrong factor is named (the world size: notebook 02; the
-micro-batches: notebooks 07 and 11), and so is a mean of means (notebook 07) or ranks that
-disagree (a missing sync). Every rank returns the same :class:`Report`.
+you do (DDP, FSDP2, a manual ``all_reduce``, accumulation, a pipeline), before
+``optimizer.step()``. It gathers every rank's batch, lets a copy of the model as it was before
+the step (``reference``: taken before ``fully_shard``) compute the gradient that ONE process
+would get on the whole batch, and compares it with yours, parameter by parameter. A wrong
+factor is named (the world size: notebook 02; the micro-batches: notebooks 07 and 11; a group's
+size: notebook 12), and so is a mean of means with the weights you gave each rank's or
+micro-batch's mean (notebook 07), or ranks that disagree (a missing sync). Every rank returns
+the same :class:`Report`.
 
     >>> import gradsync_tutorial as gst
     >>> def step(rank, world_size):
@@ -35,8 +37,14 @@ check a tiny configuration of your code (float64 for the finest verdict), a step
 Nothing of your training changes: parameters, gradients, buffers and the random state (CPU
 and CUDA) are as before the call.
 
-Introduced with issue 48 (a notebook will show it); the mistakes it names are notebooks 02,
-05, 07, 08 and 11's.
+What it cannot check it refuses, on every rank together: dropout or BatchNorm in training mode
+(random masks and per-rank statistics are not an averaging question: check in ``eval()``). It
+cannot see randomness inside ``forward`` (``F.dropout``), it checks gradients only (not the
+optimizer's state), and a model must fit one device: check a small configuration of the same
+code, with ``name_map`` for stages whose names differ.
+
+Introduced with issue 48 (a notebook will show it); the mistakes it names are those of
+notebooks 02, 07, 08, 11 and 12.
 """
 
 from __future__ import annotations

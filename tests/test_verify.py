@@ -9,6 +9,8 @@ waiting would hang the launch.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ import torch
 import gradsync_tutorial as gst
 from gradsync_tutorial._verify_report import name_factor
 from gradsync_tutorial.verify import CannotVerify, clean_name, padded, verify_gradients
+
+from .conftest import REPO
 
 
 def _steps(rank, world_size):
@@ -408,3 +412,13 @@ def test_rounding_noise_a_missing_gradient_and_a_bad_loss_are_told_apart():
 
     with pytest.raises(CannotVerify, match=r"one number .* got a tensor of shape \(6, 1\)"):
         _one_process_case(loss_fn=lambda m, b: m(b))
+
+
+def test_a_torchrun_script_that_imports_verify_gradients_loads_torch_and_nothing_else():
+    code = ("import sys\nfrom gradsync_tutorial.verify import verify_gradients\n"
+            "print(sorted(m for m in sys.modules if m.startswith('gradsync_tutorial')))\n"
+            "print(any(m.split('.')[0] in ('matplotlib', 'cloudpickle') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout.splitlines()
+    assert out == ["['gradsync_tutorial', 'gradsync_tutorial._verify_report', "
+                   "'gradsync_tutorial._wording', 'gradsync_tutorial.verify']", "False"]
