@@ -271,7 +271,12 @@ def _local_refusal(model, reference, batches, name_map) -> str | None:
 
 
 def _facts(model, reference, batches, name_map) -> dict:
-    error = _local_refusal(model, reference, batches, name_map)
+    """What every rank tells the others before anything else: its refusal, or its batches and
+    the names it holds. An unexpected error is a refusal too, so that no rank is left waiting."""
+    try:
+        error = _local_refusal(model, reference, batches, name_map)
+    except Exception as e:
+        error = f"reading the model, the reference and the batch raised {type(e).__name__}: {e}"
     if error:
         return {"error": error}
     return {
