@@ -262,8 +262,17 @@ def combine(found: list, order: list, rtol: float | None, world_size: int, micro
                   dtype.replace("torch.", ""), world_size, micro)
 
 
+def _wrong_by_diagnosis(rep: Any) -> dict[str, list[str]]:
+    """Each diagnosis of a wrong gradient -> the parameters it explains, in the rows' order."""
+    bad: dict[str, list[str]] = {}
+    for r in rep.rows:
+        if not r.ok:
+            bad.setdefault(r.diagnosis, []).append(r.name)
+    return bad
+
+
 def verdict(rep: Any) -> str:
-    """The report's one line."""
+    """The report's one line; each diagnosis of a wrong gradient numbered, [1], [2]..."""
     n = len(rep.rows)
     allows = f"{rep.dtype} rounding allows about {rep.rtol:.0e}"
     shape = f"{plural(rep.world_size, 'rank')} x {plural(rep.micro_batches, 'micro-batch')}"
@@ -272,24 +281,23 @@ def verdict(rep: Any) -> str:
         worst = max((r.rel_error for r in rep.rows), default=0.0)
         return (f"OK: all {plural(n, 'gradient')} match one process's on the whole batch "
                 f"({shape}); worst relative error {worst:.1e}, and {allows}.")
-    bad: dict = {}
-    for r in rep.rows:
-        if not r.ok:
-            bad.setdefault(r.diagnosis, []).append(r.name)
-    parts = [f"{d} ({', '.join(names[:3])}"
+    bad = _wrong_by_diagnosis(rep)
+    parts = [f"[{k}] {d} ({', '.join(names[:3])}"
              + (f", ... {len(names)} in all)" if len(names) > 3 else ")")
-             for d, names in bad.items()]
+             for k, (d, names) in enumerate(bad.items(), start=1)]
     wrong = sum(len(v) for v in bad.values())
     return (f"WRONG: {wrong} of {plural(n, 'gradient')} differ from one process's on the "
             f"whole batch ({shape}; {allows}): " + "; ".join(parts) + ".")
 
 
 def report(rep: Any, limit: int = 12) -> str:
-    """The table (failing parameters first, at most ``limit`` rows), the norms, the verdict."""
+    """The table (failing parameters first, at most ``limit`` rows), the norms, the verdict. A
+    wrong gradient's diagnosis is the verdict's number for it, [1], said once there."""
     rows = sorted(rep.rows, key=lambda r: r.ok)
+    number = {d: f"[{k}]" for k, d in enumerate(_wrong_by_diagnosis(rep), start=1)}
     head = ("parameter", "rel error", "factor", "max |diff|", "diagnosis")
     cells = [(r.name, f"{r.rel_error:.2e}", _fmt(r.factor), f"{r.max_abs_diff:.2e}",
-              r.diagnosis) for r in rows[:limit]]
+              r.diagnosis if r.ok else number[r.diagnosis]) for r in rows[:limit]]
     widths = [max(len(c[i]) for c in [head, *cells]) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(c4[:4], widths, strict=True)) + "  " + c4[4]
              for c4 in [head, *cells]]
