@@ -23,26 +23,42 @@ table gives medians over the rounds, and the check's cost as the median over rou
 (``gst.launch(num_threads=1)``): on a 2-core machine 2 ranks use a core each and 4 ranks share.
 
 Memory: each rank's peak resident set (``VmHWM``; ``ru_maxrss`` is the same counter), reset
-through ``/proc/self/clear_refs`` before each measured step, so the extra is
-(peak of a checked step) - (peak of a plain step) in the same round, the median over rounds and
-the largest over ranks. It counts every allocation, torch's included (``tracemalloc`` would see
+through ``/proc/self/clear_refs`` before each measured step, so the extra is (the largest
+rank's peak in a checked step) - (the largest rank's peak in a plain step) of the same round,
+the median over rounds. It counts every allocation, torch's included (``tracemalloc`` would see
 only Python's); the allocator may keep or reuse freed pages, so it is a measurement, not a
-bound. Without ``clear_refs`` (not Linux) the column says "n/a". Theory, on every rank: one
-model copy and its gradients (2 x 4 bytes x parameters), the gathered batch (N x the local
-batch, plus its pickled copies in ``all_gather_object``), and the copy's activations on N x the
-local batch; for FSDP2 also the full gradients gathered from the shards (4 bytes x parameters).
+bound. Without ``clear_refs`` (not Linux) the column says "n/a". Theory, on every rank (an
+estimate): one model copy and its gradients (2 x 4 bytes x parameters), the gathered batch (N x
+the local batch, plus its pickled copies in ``all_gather_object``), then the larger of the copy's
+activations on N x the local batch and the comparison's float64 temporaries (about 5 x 8 bytes x
+the largest parameter: here 42 MB, the larger); for FSDP2 also the full gradients gathered from
+the shards (4 bytes x parameters).
 
 What grows with N: the reference runs one process's forward and backward on N x the local
-batch, on every rank, so the check's work is about N times a rank's own step while the step's is
-constant (data parallelism): the ratio grows roughly linearly in N.
+batch, on every rank, so that part of the check is about N times a rank's own forward and
+backward, while the step's work is constant (data parallelism). The comparison (per-parameter
+sums in float64) does not grow with N.
 
-Measured on 2026-12-06, a 2-core shared Linux VM (torch 2.14.1, CPU, gloo), local batch 128,
-12 rounds; load average 1.0-2.4 during the run (other users):
+Measured on 2026-12-06 with ``python benchmarks/verify_cost.py`` (12 rounds, local batch 128,
+MLP 1.86M parameters, float32), a shared 2-core Linux VM, torch 2.14.1 CPU, gloo, load average
+5.9 (1 min) before the run, from other users (the machine was busy: every time is inflated, the
+ratios less so):
 
-    model  ranks  step ms  step+check ms  ratio  extra peak RSS/rank  theory
-    MEASURED_TABLE
+    model  ranks  step ms  step+check ms  verify ms  ratio  extra peak RSS/rank  theory
+    ddp    2      49.4     405.1          339.7      7.25x  42.8 MB              59.3 MB
+    fsdp2  2      97.6     492.5          371.7      4.92x  42.0 MB              66.7 MB
+    ddp    4      82.5     585.2          502.5      7.14x  40.9 MB              61.7 MB
+    fsdp2  4      170.9    736.3          525.8      4.42x  40.1 MB              69.1 MB
 
-The goal, checked step <= 3x the plain step, is ... (see the table).
+An earlier run the same day (load 3.7 before, 6.3 after) gave ratios 7.20x, 4.30x, 8.10x and
+4.92x in the same order. The goal, a checked step within 3x of the plain step, is NOT met at 2
+or at 4 ranks on this machine. Where the time goes, measured in one process (1 thread, same
+day, same machine, ``cProfile``, the N = 2 whole batch of 256): the reference's forward and
+backward take 33 ms, ``verify_gradients`` 105 ms, of which ``_stats`` (the per-parameter float64
+sums) 81 ms, 35 ms of it ``torch.randn`` drawing the fingerprint pattern for every parameter.
+The comparison, not the reference, is most of the cost at N = 2; a cached pattern and
+``torch.dot`` on flat float64 views (no temporaries) would cut it (not done here: this
+benchmark measures the check as it is).
 
 Can the reference work be split over the ranks without trusting the code under test? Yes, in
 principle: each rank would recompute, on its own plain copy (not the user's model), one
@@ -192,19 +208,24 @@ def time_runs(rank: int, world_size: int, rounds: int, warmup: int) -> dict:
             t, peak = timed(runs[name], rank, warmup + r)
             ms[name].append(t)
             rss[name].append(peak)
-    n_params = sum(p.numel() for p in make_model().parameters())
+    sizes = [p.numel() for p in make_model().parameters()]
     verify = {name: run.verify_ms[warmup:] for name, run in runs.items() if run.checked}
-    return {"ms": ms, "rss": rss, "verify_ms": verify, "params": n_params}
+    return {"ms": ms, "rss": rss, "verify_ms": verify, "params": sum(sizes),
+            "largest": max(sizes)}
 
 
-def theory_mb(model: str, params: int, world_size: int) -> float:
-    """The extra memory the check needs on each rank, in MB (see the module's docstring)."""
+def theory_mb(model: str, params: int, largest: int, world_size: int) -> float:
+    """The extra memory the check needs on each rank, in MB (see the module's docstring): a
+    model copy and its gradients, N x the batch and its pickles, then the larger of the two
+    phases (the copy's activations on N x the batch; the comparison's float64 temporaries),
+    and for FSDP2 the full gradients gathered from the shards."""
     copy_and_grads = 2 * 4 * params
     batch = world_size * LOCAL_BATCH * (4 * INPUTS + 8)
     pickled = 2 * batch  # all_gather_object: this rank's pickle, and the others' received
     activations = world_size * LOCAL_BATCH * 4 * (2 * HIDDEN * 2 + CLASSES * 2)
+    compare = 5 * 8 * largest  # yours, one process's, the fingerprint, a difference, its square
     full_grads = 4 * params if model == "fsdp2" else 0
-    return (copy_and_grads + batch + pickled + activations + full_grads) / 1e6
+    return (copy_and_grads + batch + pickled + max(activations, compare) + full_grads) / 1e6
 
 
 def summarize(out: dict, world_size: int) -> list[dict]:
@@ -222,7 +243,7 @@ def summarize(out: dict, world_size: int) -> list[dict]:
             verify_ms=statistics.median(out["verify_ms"][f"{model} + check"] or [0.0]),
             ratio=statistics.median(c / p for c, p in zip(checked, plain, strict=True)),
             extra_mb=None if extra is None else extra / 1024,
-            theory_mb=theory_mb(model, out["params"], world_size)))
+            theory_mb=theory_mb(model, out["params"], out["largest"], world_size)))
     return rows
 
 
@@ -230,12 +251,13 @@ def run(world_sizes=(2, 4), *, rounds=None, warmup=None, show=True) -> list[dict
     """Time the four runs at each number of ranks; return one row per (model, ranks)."""
     rounds = rounds or (2 if SMOKE_TEST else 12)
     warmup = warmup or (1 if SMOKE_TEST else 3)
-    rows = []
+    rows, before = [], machine()
     for world_size in world_sizes:
         out = gst.launch(time_runs, world_size, args=(rounds, warmup), num_threads=1,
                          backend="gloo", timeout=1800)[0]
         rows += summarize(out, world_size)
     if show:
+        print(f"before: {before}")
         print_table(rows, rounds)
     return rows
 
@@ -252,7 +274,7 @@ def print_table(rows: list[dict], rounds: int) -> None:
     params = rows[0]["params"]
     print(f"MLP {params / 1e6:.2f}M parameters, float32, local batch {LOCAL_BATCH}; medians of "
           f"{rounds} interleaved rounds; ratio: median of per-round (step + check) / step.")
-    print(machine())
+    print(f"after:  {machine()} (the load counts the benchmark's own ranks)")
     header = ("model", "ranks", "step ms", "step+check ms", "verify ms", "ratio",
               f"goal <= {GOAL:.0f}x", "extra peak RSS/rank", "theory")
     lines = [header]
