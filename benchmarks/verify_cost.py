@@ -19,7 +19,8 @@ step. Every checked step must pass (``report.ok``), so the time is that of a che
 After warm-up, each round runs one step of each of the four runs in a rotating order (the same
 on every rank), each started by a ``dist.barrier()``; a step's time is the slowest rank's. The
 table gives medians over the rounds, and the check's cost as the median over rounds of
-(checked step / plain step, same model, same round). Every rank runs with one thread
+(checked step / plain step, same model, same round); "verify ms" is rank 0's
+``verify_gradients`` call alone (its median). Every rank runs with one thread
 (``gst.launch(num_threads=1)``): on a 2-core machine 2 ranks use a core each and 4 ranks share.
 
 Memory: each rank's peak resident set (``VmHWM``; ``ru_maxrss`` is the same counter), reset
@@ -60,18 +61,19 @@ The comparison, not the reference, is most of the cost at N = 2; a cached patter
 ``torch.dot`` on flat float64 views (no temporaries) would cut it (not done here: this
 benchmark measures the check as it is).
 
-Can the reference work be split over the ranks without trusting the code under test? Yes, in
-principle: each rank would recompute, on its own plain copy (not the user's model), one
-process's gradient of the loss restricted to its 1/N share of the whole batch, and the checker
-would sum those partial gradients with an ``all_reduce`` of its own, trusting only
-torch.distributed's collective, never the user's averaging code. The loss must then be split
-exactly: a sum over samples (or tokens) divided by the whole batch's count, which ``loss_fn``
-(a mean over the batch it is given) does not say, so the checker would need the loss as a sum
-plus a count, or to re-weight each share by its count, which is only right for losses that are
-means of per-sample terms (not for a mean of per-sequence means, a padded token mean with
-another denominator...). It also loses the cross-check that every rank computes the whole
-reference by itself. Not implemented here: ``verify_gradients`` does the whole batch on every
-rank, a cost of about N times one rank's step, meant for a step or two of a small configuration.
+Can the reference work be split over the ranks without trusting the code under test? Yes, for
+losses that split: each rank would recompute, on its own plain copy (not the user's model),
+one process's gradient on its 1/N share of the whole batch, and the checker would sum the
+shares' gradients with an ``all_reduce`` of its own (one model's gradients, once), trusting only
+torch.distributed's collective, never the user's averaging code; each rank's reference work
+would drop from N to about 1 times its own forward and backward. But the shares must add up to
+the whole batch's loss exactly: ``loss_fn`` is a mean over the batch it is given, so the checker
+would need the loss as a sum plus a count (its own all_reduce of the counts), or to weigh each
+share by its rows, which is right only for a mean of per-sample terms: not for a token mean whose
+count is not the rows, a mean of per-sequence means, or a loss that couples samples (in-batch
+negatives, batch statistics). It would also lose a cross-check: today every rank computes the
+whole reference by itself. Not implemented: ``verify_gradients`` runs the whole batch on every
+rank, meant for a step or two of a small configuration.
 """
 
 from __future__ import annotations
