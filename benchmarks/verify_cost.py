@@ -58,7 +58,7 @@ day, same machine, ``cProfile``, the N = 2 whole batch of 256): the reference's 
 backward take 33 ms, ``verify_gradients`` 105 ms, of which ``_stats`` (the per-parameter float64
 sums) 81 ms, 35 ms of it ``torch.randn`` drawing the fingerprint pattern for every parameter.
 The comparison, not the reference, is most of the cost at N = 2; a cached pattern and
-``torch.dot`` on flat float64 views (no temporaries) would cut it (not done here: this
+``torch.dot`` on flat float64 views (no temporaries) might cut it (untried: this
 benchmark measures the check as it is).
 
 Can the reference work be split over the ranks without trusting the code under test? Yes, for
