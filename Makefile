@@ -69,6 +69,7 @@ bench: data
 	$(BIN)/python benchmarks/epoch_time.py
 	$(BIN)/python benchmarks/averaging.py
 	$(BIN)/python benchmarks/exercise_checks.py
+	$(BIN)/python benchmarks/verify_cost.py
 
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
