@@ -50,6 +50,7 @@ notebooks 02, 07, 08, 11 and 12.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -354,25 +355,35 @@ def _reference_grads(reference: nn.Module, loss_fn, batch, device: torch.device)
     return {n: (next(grads) if p.requires_grad else None) for n, p in named}
 
 
+@functools.lru_cache(maxsize=64)  # a step or two check the same shapes: made once each
+def _pattern(n: int, device: torch.device) -> torch.Tensor:
+    """A fixed pattern of ``n`` numbers in [0, 1), the same on every rank: the fractional parts
+    of k × the plastic number's inverse (an additive recurrence, spread like random numbers, and
+    as cheap as ``arange``)."""
+    return torch.arange(n, dtype=torch.float64, device=device).mul_(0.7548776662466927).frac_()
+
+
 def _stats(g: torch.Tensor | None, r: torch.Tensor | None) -> dict:
-    """Sums that the ranks can combine: norms, the fit, a fingerprint of ``g``."""
+    """Sums that the ranks can combine: norms, the fit, a fingerprint of ``g``. Dot products on
+    flat float64 vectors, and the difference computed once (never as gg - 2gr + rr, which would
+    lose a small difference to rounding)."""
     out: dict = {"mine": g is not None, "ref": r is not None, "dtype": None}
     if g is not None:
         out["dtype"] = str(g.dtype)
-        g = g.to(r.device if r is not None else g.device, torch.float64)
-        pattern = torch.randn(g.shape, dtype=torch.float64,
-                              generator=torch.Generator().manual_seed(g.numel()))
-        out["gg"] = (g * g).sum().item()
-        out["print"] = (g * pattern.to(g.device)).sum().item()  # differs if replicas differ
+        g = g.to(r.device if r is not None else g.device, torch.float64).reshape(-1)
+        out["gg"] = torch.dot(g, g).item()
+        out["print"] = torch.dot(g, _pattern(g.numel(), g.device)).item()  # replicas differ?
     if r is not None:
-        r = r.to(torch.float64)
-        out["rr"] = (r * r).sum().item()
+        r = r.to(torch.float64).reshape(-1)
+        out["rr"] = torch.dot(r, r).item()
     if g is not None and r is not None:
-        out["gr"] = (g * r).sum().item()
-        out["dd"] = ((g - r) ** 2).sum().item()
-        out["max"] = (g - r).abs().max().item() if g.numel() else 0.0
+        out["gr"] = torch.dot(g, r).item()
+        d = g - r
+        out["dd"] = torch.dot(d, d).item()
+        out["max"] = max(-d.min().item(), d.max().item()) if g.numel() else 0.0  # no |d| copy
         f = out["gr"] / out["rr"] if out["rr"] else 0.0
-        out["fit"] = ((g - f * r) ** 2).sum().item()  # what no single factor explains
+        d.add_(r, alpha=1.0 - f)  # now g - f r: what no single factor explains
+        out["fit"] = torch.dot(d, d).item()
         out["n"] = g.numel()
     return out
 
