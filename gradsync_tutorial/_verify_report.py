@@ -1,14 +1,8 @@
 """What :mod:`gradsync_tutorial.verify` makes of every rank's findings: one report, the same on
 every rank, each parameter's diagnosis, and the words of the refusals, the verdict and the table.
 
-    >>> from gradsync_tutorial._verify_report import name_factor
-    >>> name_factor(2.0, world_size=2, micro=3, sizes={}, tol=1e-6)
-    'factor 2 = the world size: summed, not divided by the world size (notebook 02)'
-    >>> name_factor(1 / 6, world_size=2, micro=3, sizes={}, tol=1e-6)
-    'factor 0.1667 = 1/(world size x micro-batches): divided by the world size and by the
-    micro-batches once too often (notebooks 02, 07, 11)'
-    >>> name_factor(2.0, world_size=4, micro=1, sizes={"expert-parallel": 2}, tol=1e-6)
-    'factor 2 = the expert-parallel size: not divided by the expert-parallel size'
+A wrong factor is named by :func:`gradsync_tutorial.diagnoses.name_factor`, the words the
+exercises' checks use too.
 """
 
 from __future__ import annotations
@@ -20,6 +14,8 @@ from typing import Any
 import torch
 
 from ._wording import plural, ranks
+from .diagnoses import fmt as _fmt
+from .diagnoses import name_factor
 
 __all__ = ["DEFAULT_RTOL", "combine", "name_factor", "needs_weights", "ranks", "report", "row",
            "shared_factor", "verdict"]
@@ -73,52 +69,6 @@ DIFFERENT = ("a different gradient, not a factor nor a weighting: another loss, 
              "another model than the reference")
 CLOSE = ("close, but beyond the dtype's rounding: a lower precision somewhere (autocast, a bf16 "
          "reduction) or a slight weighting difference; check in float64")
-
-
-def _fmt(x: float) -> str:
-    if math.isnan(x):
-        return "-"
-    if math.isinf(x):
-        return "inf"
-    return f"{x:.4g}"
-
-
-def _candidates(world_size: int, micro: int, sizes: Mapping[str, int]) -> list:
-    """(factor, what it means), in the order the course teaches them."""
-    n, k, out = world_size, micro, []
-    if n > 1:
-        out += [(n, "the world size: summed, not divided by the world size (notebook 02)"),
-                (1 / n, "1/world size: divided by the world size twice"),
-                (1 / n**2, "1/world size²: divided by the world size twice too often")]
-    if k > 1:
-        out += [(k, "the micro-batch count: not divided by the micro-batches (notebooks 07, 11)"),
-                (1 / k, "1/micro-batch count: divided by the micro-batches twice "
-                        "(notebooks 07, 11)")]
-    if n > 1 and k > 1:
-        out += [(n * k, "world size x micro-batches: divided by neither the world size nor "
-                        "the micro-batches (notebooks 02, 07, 11)"),
-                (1 / (n * k), "1/(world size x micro-batches): divided by the world size and "
-                              "by the micro-batches once too often (notebooks 02, 07, 11)")]
-    for a, size in sizes.items():
-        out += [(size, f"the {a} size: not divided by the {a} size"),
-                (1 / size, f"1/{a} size: divided by the {a} size once too often")]
-        out += [(size / s, f"{a} size / {b} size: divided by the {b} size where the {a} size "
-                           "was due") for b, s in sizes.items() if b != a and s != size]
-    return out
-
-
-def name_factor(f: float, *, world_size: int, micro: int, sizes: Mapping[str, int],
-                tol: float) -> str:
-    """The diagnosis of a gradient that is a clean multiple ``f`` of one process's."""
-    found = [what for c, what in _candidates(world_size, micro, sizes)
-             if abs(f - c) <= tol * abs(c)]
-    if not found:
-        return f"off by a constant factor {_fmt(f)}"
-    first = found[0].split(": ", 1)
-    for what in found[1:]:  # equal counts (2 ranks, 2 micro-batches): both readings
-        name, why = what.split(": ", 1)
-        first = [f"{first[0]} = {name}", f"{first[1]}, or {why}"]
-    return f"factor {_fmt(f)} = {first[0]}: {first[1]}"
 
 
 def _missing(name: str, s: dict, rtol: float) -> tuple:

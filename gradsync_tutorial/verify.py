@@ -43,8 +43,8 @@ cannot see randomness inside ``forward`` (``F.dropout``), it checks gradients on
 optimizer's state), and a model must fit one device: check a small configuration of the same
 code, with ``name_map`` for stages whose names differ.
 
-Introduced with issue 48 (a notebook will show it); the mistakes it names are those of
-notebooks 02, 07, 08, 11 and 12.
+Introduced in ``notebooks/15_verify_your_own_step.ipynb``; the mistakes it names are those of
+notebooks 02, 07, 08, 11 and 12 (:mod:`gradsync_tutorial.diagnoses` words the factors).
 """
 
 from __future__ import annotations

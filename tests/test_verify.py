@@ -421,4 +421,5 @@ def test_a_torchrun_script_that_imports_verify_gradients_loads_torch_and_nothing
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout.splitlines()
     assert out == ["['gradsync_tutorial', 'gradsync_tutorial._verify_report', "
-                   "'gradsync_tutorial._wording', 'gradsync_tutorial.verify']", "False"]
+                   "'gradsync_tutorial._wording', "
+                   "'gradsync_tutorial.diagnoses', 'gradsync_tutorial.verify']", "False"]

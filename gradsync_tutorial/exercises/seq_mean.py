@@ -216,7 +216,7 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, what: str) -> s
              "never a number you guess.")
     return (f"{what}: yours are {evidence.times_text(c)} the expected gradients. How do you "
             "count the completions, and scale each loss? / the step's completions × the world "
-            "size." + guess)
+            "size." + guess + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
 
 
 def _ranks_differ(run: Run) -> str | None:

@@ -225,7 +225,8 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str 
              if abs(c * run.size - k) < 1e-6 and k not in (0, run.size) else "")
     return (f"your gradients are {evidence.times_text(c)} the expected ones (the gradient of "
             f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
-            "sum? / the global count × the world size." + guess)
+            "sum? / the global count × the world size." + guess
+            + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
 
 
 def _ranks_differ(run: Run) -> str | None:
