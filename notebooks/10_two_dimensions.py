@@ -121,7 +121,8 @@ assert torch.equal(torch.cat([r["Partial() -> Shard(0)"] for r in redistributed]
 
 # %% [markdown]
 # `Partial()` means a sum: the placement of a gradient that every rank holds a share of.
-# `Partial("avg")` exists too, and it is a different number.
+# `Partial("avg")` exists too, and it is a different number: the mean (the last assert). A
+# gradient of which each rank holds a share needs the sum, so this course never uses it.
 #
 # ## Tensor parallel: column and row shards
 #
@@ -601,8 +602,9 @@ assert not any(name.endswith("_for_cpu_backward") for name in cp_rules)  # none 
 #
 # Notebook 09 measured the precision of the sum. FSDP2's `MixedPrecisionPolicy(param_dtype=
 # torch.bfloat16, reduce_dtype=torch.float32)` reduces FSDP's gradients in float32. The TP
-# all-reduce of a Partial gradient is DTensor's, not FSDP's. Logging each collective's dtype
-# during one backward shows it runs in bfloat16 (pytorch#190626 reports it).
+# all-reduce of a Partial gradient is another matter: FSDP2's post-backward runs it as a DTensor
+# redistribute, outside `reduce_dtype`. Logging each collective's dtype during one backward shows
+# it runs in bfloat16 (pytorch#190626 reports it).
 
 # %%
 def reduce_dtypes(rank, world_size):
