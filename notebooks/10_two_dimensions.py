@@ -401,6 +401,39 @@ assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12
 # shard size 2 leaves the gradient twice too large, × the number of replicas.
 # Each layer's backward made one reduce-scatter and one all-reduce.
 #
+# ### The grad norm is the only witness
+#
+# A constant factor on every gradient barely moves AdamW: its step divides the gradient by its
+# own running size. torchtitan#2323 (2026) fixed gradients divided twice by the data-parallel
+# ranks: "This error does not emerge in change in loss for short runs due to the scale
+# invariance property of the AdamW optimizer but can be seen clearly in the grad norm". Its issue,
+# torchtitan#2318, saw "a scaling difference of a factor of 8". Here are the shard-size factor's
+# gradients (× R) against one process's, through one AdamW step and one SGD step from the same
+# weights:
+
+# %%
+def one_step(grads, optimizer_class, **kwargs):
+    """The parameters after one step from mlp's weights with these gradients."""
+    model = copy.deepcopy(mlp).double()
+    for n, p in model.named_parameters():
+        p.grad = grads[n].double().cpu()
+    optimizer_class(model.parameters(), **kwargs).step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+wrong_grads = hsdp_results["factor = shard size = 2"]["grads"]
+norms = [torch.sqrt(sum((g.double() ** 2).sum() for g in gs.values())).item()
+         for gs in (wrong_grads, hsdp_reference["grads"])]
+steps = {name: max_diff(one_step(wrong_grads, opt, **kw),
+                        one_step(hsdp_reference["grads"], opt, **kw))
+         for name, opt, kw in [("AdamW", torch.optim.AdamW, {"lr": 1e-3}),
+                               ("SGD", torch.optim.SGD, {"lr": 1e-3})]}
+print(f"grad norm: {norms[0]:.6f} against one process's {norms[1]:.6f}: × {norms[0] / norms[1]:.4f}")
+for name, gap in steps.items():
+    print(f"one {name} step (lr 1e-3) with the × {MESH_SHAPE[0]} gradients: parameters off by {gap:.2g}")
+assert abs(norms[0] / norms[1] - MESH_SHAPE[0]) < 1e-12  # the norm shows the factor
+assert steps["AdamW"] < 1e-6 < 1e-4 < steps["SGD"]  # AdamW all but hides it; SGD does not
+#
 # ### In float32, gloo refuses a divide factor
 #
 # Every factor above worked, on gloo as on nccl, because float64 takes FSDP2's SUM path. In
