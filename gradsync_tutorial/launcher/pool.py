@@ -363,7 +363,10 @@ class Workers:
     def run(self, state: JobState, jobs: Sequence[Job], deadline: float) -> None:
         """Send each rank its job; wait until every rank returned, one failed, or ``deadline``
         (:class:`Deadline`), or a rank is found waiting for good on one that returned
-        (:class:`WaitsForAReturnedRank`)."""
+        (:class:`WaitsForAReturnedRank`). A rank that died while starting is a failure
+        already: no job is sent (the launcher reports it as it reports a rank killed mid-job)."""
+        if state.failures:
+            return
         for rank, job in enumerate(jobs):
             self.send(rank, job)
         state.sent = True
@@ -493,8 +496,11 @@ class Workers:
                 return
 
     def send(self, rank: int, message: object) -> None:
+        conn = self.conns[rank]
+        if conn is None:  # it died before connecting back: the pump sees the exit
+            return
         try:
-            self.conns[rank].send(message)
+            conn.send(message)
         except OSError:
             pass  # it died: the pump sees the exit and reports it
 

@@ -103,6 +103,7 @@ class Template:
         self.changed = threading.Condition()
         self.lock = threading.Lock()  # one fork request at a time
         self.pending: list[int] = []  # pids the template replied with, not yet taken
+        self.abandoned = 0  # requests whose asker gave up (an interrupt): kill their ranks
         self.stderr_tail: list[str] = []
         self.ended = False
         try:
@@ -132,7 +133,11 @@ class Template:
                     socket.send_fds(self.sock, [pickle.dumps(env)], [out_w, err_w])
                 except OSError as e:
                     raise self._gone() from e
-                pid = self._next_pid()
+                try:
+                    pid = self._next_pid()
+                except BaseException:  # the stop button, say: the fork may come all the same
+                    self._abandon()
+                    raise
         except BaseException:
             os.close(out_r)
             os.close(err_r)
@@ -153,6 +158,25 @@ class Template:
                 self.changed.wait(0.05)
             return self.pending.pop(0)
 
+    def _abandon(self) -> None:
+        """The launcher stopped waiting for a fork it asked for: stop that rank when its pid
+        comes, so that it neither runs on nor is handed to the next request."""
+        with self.changed:
+            self.abandoned += 1
+            self._kill_abandoned()
+
+    def _kill_abandoned(self) -> None:
+        """(With ``changed`` held.) Kill each rank that a request given up was answered with."""
+        while self.abandoned and self.pending:
+            self.abandoned -= 1
+            pid = self.pending.pop(0)
+            for kill in (os.killpg, os.kill):  # its session and reaper; else the rank itself
+                try:
+                    kill(pid, signal.SIGKILL)
+                    break
+                except OSError:
+                    continue
+
     def _gone(self) -> TemplateGone:
         tail = "".join(self.stderr_tail[-20:]).strip()
         said = f"; it printed:\n{tail}" if tail else ""
@@ -168,6 +192,7 @@ class Template:
                 with self.changed:
                     if kind == "started":
                         self.pending.append(pid)
+                        self._kill_abandoned()
                     else:
                         self.exits[pid] = code
                     self.changed.notify_all()
