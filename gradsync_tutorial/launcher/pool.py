@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 
-from . import hang_report, template
+from . import hang_report, spawner, template
 from .cells import file_label, with_cell_labels
 from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
 from .process_tree import popen_kwargs, stop_trees
@@ -227,9 +227,9 @@ def start_worker(env: dict[str, str], rank: int):
             return template.fork(env, os.getcwd(), rank)
         except template.TemplateGone:
             pass  # a fresh interpreter shows what went wrong, if it goes wrong again
-    return subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            **popen_kwargs())
+    return spawner.start(lambda: subprocess.Popen(
+        [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen_kwargs()))
 
 
 class Workers:

@@ -61,7 +61,9 @@ in a process group of its own (a new session on POSIX, ``CREATE_NEW_PROCESS_GROU
 Windows). Stopping reads the rank's process tree first (``/proc`` on Linux, ``ps`` on macOS)
 and signals all of it; Windows has no such signals, and ``taskkill /T /F`` stops the tree. On
 Linux a rank also dies with the notebook's process even when stuck in C code
-(``PR_SET_PDEATHSIG``), and so does every process it forks from Python; elsewhere the socket
+(``PR_SET_PDEATHSIG``: the launcher starts its processes from one long-lived thread,
+:mod:`.spawner`, since the signal follows the thread that started a process), and so does
+every process it forks from Python; elsewhere the socket
 to the notebook is the lifeline, which a rank stuck in C code holding the GIL cannot read. On
 POSIX a small reaper forked by each worker kills the rank's process group once the rank is gone,
 however it went: the programs a rank started with ``subprocess``, which no parent-death signal

@@ -40,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from . import spawner
 from .process_tree import alive
 from .protocol import CONTROL_ENV, END_MARK_ENV, TOKEN_ENV, WORKER_MODULE
 
@@ -107,11 +108,13 @@ class Template:
         self.stderr_tail: list[str] = []
         self.ended = False
         try:
-            self.proc = subprocess.Popen(  # a session of its own: an interrupt is not for it
+            # A session of its own: an interrupt is not for it. Started from the long-lived
+            # thread, so that it outlives the thread that launched (its parent-death signal).
+            self.proc = spawner.start(lambda: subprocess.Popen(
                 [sys.executable, "-m", TEMPLATE_MODULE], cwd=cwd, start_new_session=True,
                 env=dict(env, **{SOCKET_ENV: str(theirs.fileno())}),
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         except BaseException:
             ours.close()
             raise
@@ -272,7 +275,7 @@ def main() -> None:
     from . import worker
 
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_ENV)))
-    worker._die_with_parent()  # never outlive the launcher's thread that started us
+    worker._die_with_parent()  # never outlive the launcher (its long-lived starter thread)
     import cloudpickle  # noqa: F401 - what a worker imports before its first job
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401

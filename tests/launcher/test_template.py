@@ -155,3 +155,20 @@ def test_the_switch_is_read_from_the_environment():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, GRADSYNC_FRESH_INTERPRETERS="1")).stdout
     assert out.strip() == "False"
+
+
+def test_templates_outlive_the_thread_that_started_them():
+    """Their parent-death signal follows the thread that started them: a launch from a thread
+    that then ends must not take the templates, nor the ranks they forked, with it."""
+    import threading
+
+    from gradsync_tutorial.launcher.process_tree import alive
+
+    gst.shutdown_workers()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_parents(2)))
+    thread.start()
+    thread.join()
+    time.sleep(1.0)  # a parent-death signal would have arrived by now
+    assert all(alive(pid) for pid in seen[0]), "a template died with the thread"
+    assert _parents(2) == seen[0]  # the same templates, and their idle ranks, serve on
