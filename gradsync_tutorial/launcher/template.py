@@ -212,6 +212,15 @@ class Template:
             del self.stderr_tail[:-50]
         self.proc.stderr.close()
 
+    def stop(self) -> None:
+        """End the template now (:func:`stop_all`): the ranks it forked go with it (their
+        parent-death signal); the launcher stops them first."""
+        self.retire()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
+
     def retire(self) -> None:
         """Fork no more: the template ends with the last rank it forked, and reports each exit
         until then (ending it at once would kill them: their parent-death signal)."""
@@ -246,6 +255,16 @@ def start(env: dict[str, str], cwd: str, ranks: range) -> None:
     for old in retired:
         for t in old.values():
             t.retire()
+
+
+def stop_all() -> None:
+    """End every template (``gst.shutdown_workers()``): the memory of their imports is freed,
+    and the next launch starts new ones, which import torch again."""
+    with _lock:
+        stopping = [t for templates in _templates.values() for t in templates.values()]
+        _templates.clear()
+    for t in stopping:
+        t.stop()
 
 
 def fork(env: dict[str, str], cwd: str, rank: int) -> Forked:
