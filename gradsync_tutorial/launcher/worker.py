@@ -588,6 +588,7 @@ def main() -> None:
         message = inbox.get()
         if isinstance(message, Job):
             reply = _run_job(message, channel)
+            _fresh_state.run_exit_handlers()  # as the interpreter's exit would, after threads
             _end_of_job(message.job_id)
             channel.send(reply)
         elif isinstance(message, Teardown):
