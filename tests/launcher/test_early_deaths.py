@@ -106,3 +106,25 @@ def test_stop_pressed_during_a_cold_start_then_the_next_launch_works(monkeypatch
     assert worker_pids() == []
     monkeypatch.setattr(pool.Workers, "wait_until_started", real)
     assert gst.launch(_ok, world_size=2) == [0, 1]
+
+
+@linux_only
+def test_a_rank_whose_template_died_while_it_started_is_named(monkeypatch):
+    """The rank dies with its template (its parent-death signal): named, not a crash."""
+    gst.shutdown_workers()
+    real = pool.start_worker
+
+    def template_killed(env, rank):
+        proc = real(env, rank)
+        if rank == 1:
+            os.kill(proc.template.proc.pid, signal.SIGKILL)
+        return proc
+
+    monkeypatch.setattr(pool, "start_worker", template_killed)
+    with pytest.raises(RankFailedError) as caught:
+        gst.launch(_ok, world_size=2)
+    assert caught.value.rank == 1
+    assert "rank 1 was killed by SIGKILL" in str(caught.value)
+    assert worker_pids() == []
+    monkeypatch.undo()
+    assert gst.launch(_ok, world_size=2) == [0, 1]
