@@ -40,26 +40,22 @@ batch, on every rank, so that part of the check is about N times a rank's own fo
 backward, while the step's work is constant (data parallelism). The comparison (per-parameter
 sums in float64) does not grow with N.
 
-Measured on 2026-12-06 with ``python benchmarks/verify_cost.py`` (12 rounds, local batch 128,
-MLP 1.86M parameters, float32), a shared 2-core Linux VM, torch 2.14.1 CPU, gloo, load average
-5.9 (1 min) before the run, from other users (the machine was busy: every time is inflated, the
-ratios less so):
+Measured on 2026-12-06 04:20 UTC with ``python benchmarks/verify_cost.py`` (12 rounds, local
+batch 128, MLP 1.86M parameters, float32), on a 2-core Linux VM, torch 2.14.1 CPU, gloo, load
+average 1.5 (1 min) before the run, after the comparison became dot products on flat float64
+vectors with a cached fingerprint pattern (it drew ``torch.randn`` for every parameter before):
 
     model  ranks  step ms  step+check ms  verify ms  ratio  extra peak RSS/rank  theory
-    ddp    2      49.4     405.1          339.7      7.25x  42.8 MB              59.3 MB
-    fsdp2  2      97.6     492.5          371.7      4.92x  42.0 MB              66.7 MB
-    ddp    4      82.5     585.2          502.5      7.14x  40.9 MB              61.7 MB
-    fsdp2  4      170.9    736.3          525.8      4.42x  40.1 MB              69.1 MB
+    ddp    2      27.8     88.3           59.1       3.08x  15.8 MB              59.3 MB
+    fsdp2  2      61.1     138.6          67.8       2.46x   9.9 MB              66.7 MB
+    ddp    4      66.1     264.3          202.8      4.14x  11.9 MB              61.7 MB
+    fsdp2  4      130.7    408.6          242.1      3.14x  15.4 MB              69.1 MB
 
-An earlier run the same day (load 3.7 before, 6.3 after) gave ratios 7.20x, 4.30x, 8.10x and
-4.92x in the same order. The goal, a checked step within 3x of the plain step, is NOT met at 2
-or at 4 ranks on this machine. Where the time goes, measured in one process (1 thread, same
-day, same machine, ``cProfile``, the N = 2 whole batch of 256): the reference's forward and
-backward take 33 ms, ``verify_gradients`` 105 ms, of which ``_stats`` (the per-parameter float64
-sums) 81 ms, 35 ms of it ``torch.randn`` drawing the fingerprint pattern for every parameter.
-The comparison, not the reference, is most of the cost at N = 2; a cached pattern and
-``torch.dot`` on flat float64 views (no temporaries) might cut it (untried: this
-benchmark measures the check as it is).
+The goal, a checked step within 3x of the plain step, is met for FSDP2 at 2 ranks and missed
+by a little elsewhere; at 4 ranks on 2 cores, 4 ranks each run the whole batch's reference, so
+the check grows about 3.4x from 2 to 4 ranks. Before the comparison was rewritten, the same
+machine, busy (load 5.9), gave 7.25x, 4.92x, 7.14x and 4.42x. The extra memory stays under one
+model copy plus the gathered batch (the theory column).
 
 Can the reference work be split over the ranks without trusting the code under test? Yes, for
 losses that split: each rank would recompute, on its own plain copy (not the user's model),
