@@ -17,9 +17,10 @@
 # make gpu-check - on a machine with CUDA GPUs: every snippet and both scripts with nccl, the
 #   checks of every notebook that calls gst.local_device(), on the GPUs, one table for the README
 #   (~10 min; every part skipped, with the reason, without a GPU). PY= as for make notebooks.
-# make times - execute every notebook in one run, timed (full mode, on a quiet machine), and write
-#   the README's time table and the doctor's reference times from that run
-#   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run).
+# make times [NB=14] - execute every notebook in one run, timed (full mode, on a quiet machine),
+#   and write the README's time table and the doctor's reference times from that run
+#   (tools/time_table.py; TIMES_FLAGS=--write only rewrites them from the recorded run). NB=14
+#   times that notebook alone and merges its time into the record (a new notebook).
 # make images - the README's figures: every tools/draw_*.py draws one, the loss curves copied from
 #   the notebooks' outputs (cells tagged image:NAME.png), and every tools/screenshot_*.py takes
 #   its screenshots in Chromium (the site, built first, and JupyterLab). Running a notebook writes
@@ -68,6 +69,7 @@ bench: data
 	$(BIN)/python benchmarks/epoch_time.py
 	$(BIN)/python benchmarks/averaging.py
 	$(BIN)/python benchmarks/exercise_checks.py
+	$(BIN)/python benchmarks/verify_cost.py
 
 # Only the default PY needs the course venv and the data set up first.
 notebooks: $(if $(filter $(BIN)/python,$(PY)),data)
@@ -84,7 +86,7 @@ gpu-check: $(if $(filter $(BIN)/python,$(PY)),data)
 	$(PY) -m tests.gpu.check
 
 times: $(if $(filter $(BIN)/python,$(PY)),data)
-	$(PY) tools/time_table.py $(TIMES_FLAGS)
+	$(PY) tools/time_table.py $(if $(NB),--only $(NB)) $(TIMES_FLAGS)
 
 images: $(if $(filter $(BIN)/python,$(PY)),$(STAMP)) site
 	for draw in tools/draw_*.py; do $(PY) $$draw || exit 1; done

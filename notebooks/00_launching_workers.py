@@ -244,7 +244,8 @@ assert inspect.signature(gst.launch).parameters["timeout"].default == 300  # the
 # rank. `tensor_list` must hold one tensor per rank, each of the same shape and dtype as `tensor`.
 #
 # Replace the `raise` line with your code and run the cell, then run the check below it. The check
-# runs your function on 2 ranks, then on 3, and prints "✓ correct", or fails with what is wrong.
+# runs your function at two world sizes and prints "✓ correct" with them, or fails with what is
+# wrong.
 # Until you write it, it says "not attempted yet". Stuck? `%load solutions/00_gather_ranks.py` in a
 # new cell loads a solution.
 

@@ -850,7 +850,7 @@ for n in (3, WORLD_SIZE):
 # reduce it, and divide. Then copy the pieces back into each `p.grad`, since `torch.cat` makes a
 # copy.
 #
-# The check below runs it on 2 ranks, then on 3, each with its own gradients. It compares the result
+# The check below runs it at two world sizes, each rank with its own gradients. It compares the result
 # with the mean over ranks and counts your `all_reduce` calls. It prints "✓ correct", or fails with
 # what is wrong. Until you write the function, it says "not attempted yet". Stuck?
 # `%load solutions/02_average_gradients_flat.py` in a new cell.

@@ -804,7 +804,7 @@ logged_global = gst.launch(partial(train, log=global_loss), WORLD_SIZE)
 
 def one_logged_step(rank, world_size):
     with gst.detect.count_collectives() as calls:
-        global_loss(torch.tensor(float(rank)))
+        global_loss(torch.tensor(float(rank), device=gst.local_device()))  # nccl: on the GPU
     return calls.total
 
 
@@ -998,7 +998,7 @@ fig = gst.plots.plot_loss_curves(
 # training, `backward()` still needs it. Remember that every rank must call the collective (the
 # skipped-collective pitfall).
 #
-# The check below runs it on 2 ranks, then on 3, each holding a different number of samples. The
+# The check below runs it at two world sizes, each rank holding its own number of samples. The
 # numbers and losses are drawn afresh each time. It compares what each rank returns with the mean
 # over all of them. It prints "✓ correct", or fails with what is wrong: the mean of the means, a sum
 # not divided, a rank that skipped the all_reduce... Until you write the function, it says "not

@@ -966,7 +966,7 @@ for n, results in ring_rows.items():
 # optimizer.step()
 # ```
 #
-# The check below runs 2 steps on 2 ranks, then on 3. It counts the calls that start during
+# The check below runs 2 steps at each of two world sizes. It counts the calls that start during
 # backward, and how many of them are asynchronous. It compares each step's gradients with the mean
 # over ranks. It prints "✓ correct", or fails with what is wrong. Until you write the function, it
 # says "not attempted yet". Stuck? `%load solutions/05_average_overlapped.py` in a new cell.

@@ -493,7 +493,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 #
 # `snippets/06_torchrun_script.py` trains a small model on random data. The course's tests run it
 # with `torchrun --standalone --nproc-per-node 2`. The whole course version is
-# `scripts/train_ddp.py`; the README has the multi-node and SLURM commands.
+# `scripts/train_ddp.py`; `docs/cluster.md` has the multi-node and SLURM commands.
 #
 # <!-- snippets/06_torchrun_script.py -->
 # ```python
@@ -664,7 +664,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 # `optimizer` SGD with momentum. Think of what the file needs (the list under "Checkpoint and
 # resume"). Think of which rank writes it, and of when the other ranks may go on.
 #
-# The check below runs it on 2 ranks, then on 3, in the middle of a training run with dropout. It
+# The check below runs it at two world sizes, in the middle of a training run with dropout. It
 # then compares 2 more steps of that run with 2 steps of a run resumed from your file. Your keys do
 # not matter: it finds the pieces by what they are. It prints "✓ correct", or fails with what is
 # wrong: a missing piece and how far the resumed run drifts, a file written by every rank, a rank

@@ -653,6 +653,20 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #   ([distributed/fsdp.py](https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/fsdp.py)).
 #   That is notebook 02's SUM without dividing, the third spelling of section 2.
 #
+# ## The rule
+#
+# This notebook's fix is the rule's sum form: the global count, × N under DDP. The per-rank mean
+# is its mean form, right only with equal counts. The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.
+#
 # ## Copy this into your code
 #
 # `snippets/07_global_token_mean.py` is a whole script in plain torch. The course's tests run it
@@ -797,7 +811,7 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # number to log. Count, `all_reduce` the count, and divide each micro-batch's loss sum by it.
 # Remember DDP's division by N, and let DDP synchronize only once (`model.no_sync()`).
 #
-# The check runs it on 2 ranks with 4 micro-batches, then on 3 ranks with 3, on fresh random
+# The check runs it at two world sizes, each with its own number of micro-batches, on fresh random
 # sequences. It compares the gradients and the loss with one process on all of them. Your
 # collectives must have delivered the global count. The parameters and the micro-batches must be
 # left as they were. It prints "✓ correct", or says what is wrong: the mean per micro-batch, a local

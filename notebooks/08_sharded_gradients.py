@@ -1002,7 +1002,8 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # from torch.distributed.device_mesh import init_device_mesh
 # from torch.distributed.fsdp import FSDPModule, fully_shard
 #
-# CHECKPOINT = "checkpoints/08_fsdp2"           # a folder: each rank writes its own file
+# CHECKPOINT = "checkpoints/08_fsdp2"  # a folder every rank can read (shared file system on many
+#                                     # machines): each rank writes its own file into it
 #
 #
 # def init_distributed():
@@ -1077,8 +1078,9 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 #     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # 1/N of the state
 #     # A token-count loss needs sum_gradients_over_ranks(model) here (checked at the end).
 #
-#     g = torch.Generator().manual_seed(1)       # one global batch...
-#     x, y = torch.randn(64, 20, generator=g).to(device), torch.randint(0, 3, (64,), generator=g)
+#     g = torch.Generator().manual_seed(1)       # one global batch, 16 samples per rank...
+#     n = 16 * world_size                        # equal shards: FSDP2's mean is then the mean
+#     x, y = torch.randn(n, 20, generator=g).to(device), torch.randint(0, 3, (n,), generator=g)
 #     y = y.to(device)
 #     mine = slice(rank, None, world_size)       # ...a different shard on each rank
 #     reference = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)
@@ -1133,7 +1135,7 @@ assert fp16["sum, then ÷ N"] == float("inf") and fp16["÷ N, then sum"] == 40_0
 # `min(1, max_norm / (norm + 1e-6))`. Here `norm` is the norm of the *whole* mean gradient. Use one
 # `reduce_scatter`, then one `all_reduce` of a single number.
 #
-# The check runs it on 2 and on 3 ranks, with shards of 12, then 10 numbers. It runs with and
+# The check runs it at two world sizes, with shards of their own sizes. It runs with and
 # without clipping, against the reference. It looks at what your collectives delivered. `flat_grad`
 # must be left as it was, since it is the caller's. It prints "✓ correct", or fails with what is
 # wrong. Until you write the function, it says "not attempted yet". Stuck?

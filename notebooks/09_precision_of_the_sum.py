@@ -742,9 +742,9 @@ assert fp32_reduce["error"] < 1e-6 < 1e-4 < none["error"] < 1e-2
 
 # %% [markdown]
 # So with a bf16 `param_dtype`, leaving `reduce_dtype` out reduces in bf16.
-# `reduce_dtype=torch.float32` reduces the same bf16 gradients exactly. Each rank's gradient is cast
-# up before the reduce-scatter, and the sum is float32. It sends twice the bytes of bf16, the price
-# pytorch#106395 named: "the model now runs slower since it's sending around full-precision
+# `reduce_dtype=torch.float32` reduces the same bf16 gradients to float32 rounding. Each rank's
+# gradient is cast up before the reduce-scatter, and the sum is float32. It sends twice the bytes
+# of bf16, the price pytorch#106395 named: "the model now runs slower since it's sending around full-precision
 # gradients".
 #
 # ### fp16 and `GradScaler` with DDP: unscale before clipping

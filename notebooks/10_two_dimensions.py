@@ -9,9 +9,9 @@
 # silent: LayerNorm gradients left unsummed (Megatron-LM#443, #1446), norms that count a
 # parameter twice (NeMo-RL#3788), divide factors that miss the replicas (pytorch#155903).
 #
-# **Short answer: divide once, by the data-parallel ranks; sum over the tensor-parallel
-# ranks.** Each rank's loss is its sum of errors over the count of its data-parallel rank's
-# batch. FSDP2 divides by the data-parallel ranks: R·S on an HSDP mesh, the total that
+# **Short answer: divide once, by the data shards, the data-parallel × context-parallel ranks;
+# sum over the tensor-parallel ranks.** Each rank's loss is its sum of errors over the count of
+# its data-parallel rank's batch, every sequence shard included. FSDP2 divides by the data-parallel ranks: R·S on an HSDP mesh, the total that
 # `set_gradient_divide_factor` sets. A parameter replicated over tensor-parallel ranks gets
 # their partial gradients **summed**, never averaged. On a 2 × 2 mesh, a factor equal to the
 # shard size gives ×2. Each claim is measured below, in float64, against one process.
@@ -121,7 +121,8 @@ assert torch.equal(torch.cat([r["Partial() -> Shard(0)"] for r in redistributed]
 
 # %% [markdown]
 # `Partial()` means a sum: the placement of a gradient that every rank holds a share of.
-# `Partial("avg")` exists too, and it is a different number.
+# `Partial("avg")` exists too, and it is a different number: the mean (the last assert). A
+# gradient of which each rank holds a share needs the sum, so this course never uses it.
 #
 # ## Tensor parallel: column and row shards
 #
@@ -400,6 +401,39 @@ assert abs(ratio(summed["grads"], hsdp_reference["grads"]) - MESH_RANKS) < 1e-12
 # shard size 2 leaves the gradient twice too large, × the number of replicas.
 # Each layer's backward made one reduce-scatter and one all-reduce.
 #
+# ### The grad norm is the only witness
+#
+# A constant factor on every gradient barely moves AdamW: its step divides the gradient by its
+# own running size. torchtitan#2323 (2026) fixed gradients divided twice by the data-parallel
+# ranks: "This error does not emerge in change in loss for short runs due to the scale
+# invariance property of the AdamW optimizer but can be seen clearly in the grad norm". Its issue,
+# torchtitan#2318, saw "a scaling difference of a factor of 8". Here are the shard-size factor's
+# gradients (× R) against one process's, through one AdamW step and one SGD step from the same
+# weights:
+
+# %%
+def one_step(grads, optimizer_class, **kwargs):
+    """The parameters after one step from mlp's weights with these gradients."""
+    model = copy.deepcopy(mlp).double()
+    for n, p in model.named_parameters():
+        p.grad = grads[n].double().cpu()
+    optimizer_class(model.parameters(), **kwargs).step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+wrong_grads = hsdp_results["factor = shard size = 2"]["grads"]
+norms = [torch.sqrt(sum((g.double() ** 2).sum() for g in gs.values())).item()
+         for gs in (wrong_grads, hsdp_reference["grads"])]
+steps = {name: max_diff(one_step(wrong_grads, opt, **kw),
+                        one_step(hsdp_reference["grads"], opt, **kw))
+         for name, opt, kw in [("AdamW", torch.optim.AdamW, {"lr": 1e-3}),
+                               ("SGD", torch.optim.SGD, {"lr": 1e-3})]}
+print(f"grad norm: {norms[0]:.6f} against one process's {norms[1]:.6f}: × {norms[0] / norms[1]:.4f}")
+for name, gap in steps.items():
+    print(f"one {name} step (lr 1e-3) with the × {MESH_SHAPE[0]} gradients: parameters off by {gap:.2g}")
+assert abs(norms[0] / norms[1] - MESH_SHAPE[0]) < 1e-12  # the norm shows the factor
+assert steps["AdamW"] < 1e-6 < 1e-4 < steps["SGD"]  # AdamW all but hides it; SGD does not
+#
 # ### In float32, gloo refuses a divide factor
 #
 # Every factor above worked, on gloo as on nccl, because float64 takes FSDP2's SUM path. In
@@ -601,8 +635,9 @@ assert not any(name.endswith("_for_cpu_backward") for name in cp_rules)  # none 
 #
 # Notebook 09 measured the precision of the sum. FSDP2's `MixedPrecisionPolicy(param_dtype=
 # torch.bfloat16, reduce_dtype=torch.float32)` reduces FSDP's gradients in float32. The TP
-# all-reduce of a Partial gradient is DTensor's, not FSDP's. Logging each collective's dtype
-# during one backward shows it runs in bfloat16 (pytorch#190626 reports it).
+# all-reduce of a Partial gradient is another matter: FSDP2's post-backward runs it as a DTensor
+# redistribute, outside `reduce_dtype`. Logging each collective's dtype during one backward shows
+# it runs in bfloat16 (pytorch#190626 reports it).
 
 # %%
 def reduce_dtypes(rank, world_size):
@@ -696,9 +731,9 @@ assert [r[5].split(":")[1] for r in rows[1:]] == [" nothing", " all-reduce SUM",
 assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in rows[2][3]
 
 # %% [markdown]
-# The rule behind the table has three parts. Divide once, by the data-parallel ranks (FSDP2's
-# factor: R·S, or dp). Sum over the TP ranks a gradient of which each holds a share. Leave alone
-# what each rank holds whole.
+# The rule behind the table has three parts. Divide once, by the data shards (FSDP2's factor:
+# R·S, or dp; dp × cp with context parallel). Sum over the TP ranks a gradient of which each
+# holds a share. Leave alone what each rank holds whole.
 #
 # ## Copy this into your code
 #
@@ -847,9 +882,21 @@ gst.exercises.check_gradient_plan(gradient_plan)
 # %% [markdown]
 # ## Summary
 #
-# - Divide by the data-parallel ranks once. FSDP2's default does it; so does
+# - Divide once, by the data shards: the data-parallel ranks, × the context-parallel ones when
+#   the sequence is split. FSDP2's default does it over dp; so does
 #   `set_gradient_divide_factor(R·S)` on an HSDP mesh. The shard size is wrong.
 # - Each rank's loss is its sum over its data rank's count, every sequence shard included.
 # - A parameter replicated over TP ranks that see different tokens gets a **sum**. DTensor
 #   keeps it `Partial(sum)`; code by hand must all-reduce with `SUM`.
 # - Count replicated parameters once in a gradient norm, or use `clip_grad_norm_` on DTensors.
+#
+# The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.

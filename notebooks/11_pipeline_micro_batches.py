@@ -613,7 +613,8 @@ for name in pp_dp[0]:
 # split into `n_microbatches`. Leave in `.grad` the gradient of `F.mse_loss` over **all** the
 # batches together, without zeroing between the steps.
 #
-# The check runs it on 2 ranks (4 micro-batches × 2 steps), then 3 (3 × 3), on fresh random data. It
+# The check runs it at two world sizes, each with its own micro-batches and steps, on fresh random
+# data. It
 # rejects a double division, a missing one, and the default scaling across steps, and says which.
 # Stuck? `%load solutions/11_pipeline_gradient.py` in a new cell.
 
@@ -639,3 +640,15 @@ gst.exercises.check_pipeline_gradient(pipeline_gradient)
 #
 # Feed equal micro-batches, and check it before the step. With data parallelism, FSDP2 divides by
 # the dp size and the schedule by `n_microbatches`: count tokens over every replica.
+#
+# A mean `loss_fn` with equal micro-batches is the rule's mean form; a sum over the count of all
+# steps is its sum form. The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.

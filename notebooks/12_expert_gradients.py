@@ -29,6 +29,7 @@ BATCHES = 2 if SMOKE_TEST else 4  # random global batches each proof runs on
 SIZES = sorted({2, 4, WORLD_SIZE})  # the world sizes of the proofs: EDP = W / EP
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -348,16 +349,17 @@ for size in SIZES:
 # than the mesh size needs `PREMUL_SUM`, which gloo lacks (notebook 08).
 
 # %%
-def fsdp_experts(rank, world_size, factor, layer):
+def fsdp_experts(rank, world_size, factor, layer, dtype=torch.float64):
     """Experts sharded by FSDP2 over the EDP mesh, dense parameters as before."""
     device = gst.local_device()
     mesh = mesh_of(world_size)
-    layer = copy.deepcopy(layer).to(device)
+    layer = copy.deepcopy(layer).to(device, dtype)
     expert = layer.experts[mesh.get_local_rank("ep")]
     fully_shard(expert, mesh=mesh["edp"])  # reduce-scatter over the ranks holding it
     if factor is not None:
         expert.set_gradient_divide_factor(factor)
-    x, y = (t[rank * TOKENS:(rank + 1) * TOKENS].to(device) for t in global_batch(SEED, world_size))
+    x, y = (t[rank * TOKENS:(rank + 1) * TOKENS].to(device, dtype)
+            for t in global_batch(SEED, world_size))
     F.mse_loss(expert_parallel(layer, expert, x, mesh["ep"].get_group()), y).backward()
     sync_gradients([*layer.dense.parameters(), *layer.router.parameters()], [], None, "rule",
                    world_size)
@@ -385,6 +387,48 @@ for factor, ranks in fsdp.items():
         assert worst <= 1e-15
 
 # %% [markdown]
+# ### A mesh of one rank: the factor, once or twice
+#
+# With W = EP, each expert lives on one rank, and its EDP mesh has a single rank. FSDP2 then
+# skips its reduce-scatter. pytorch#167178 (2025) found that it also skipped the divide factor:
+# "The net effect is that the EP grads are too-large by a factor of the world size". The same
+# run at W = EP = 2, factor W, in float32 and in float64:
+
+# %%
+single = {dtype: gst.launch(fsdp_experts, world_size=EP, args=(float(EP), layer0, dtype))
+          for dtype in (torch.float32, torch.float64)}
+ref_ep = one_process(SEED, EP)[0]
+single_ratios = {dtype: [(r["grads"]["weight"].double().norm()
+                          / ref_ep[f"experts.{r['ep_rank']}.weight"].norm()).item()
+                         for r in ranks] for dtype, ranks in single.items()}
+for dtype, ratios in single_ratios.items():
+    print(f"torch {torch.__version__}, {str(dtype)[6:]}, EDP mesh of 1 rank, divide factor {EP}: "
+          f"expert gradient / one process's {[round(x, 6) for x in ratios]}")
+assert all(abs(x - 1) <= 1e-5 for x in single_ratios[torch.float32])  # #167178's fix: once
+assert all(abs(x - 1 / EP) <= 1e-12 for x in single_ratios[torch.float64])  # twice: ÷ W²
+
+# %% [markdown]
+# In float32 the factor applies once: #167178's fix is in. In float64 it applies twice, so the
+# expert gradients are 1/W of one process's. The source shows why. For float64 and float16,
+# FSDP2 splits the factor into a division before the reduce-scatter and one after it. On a mesh
+# of one rank, the fix divides by the whole factor too:
+
+# %%
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+collectives = inspect.getsource(_fsdp_collectives)
+lines = ["reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)",
+         "_div_if_needed(reduce_scatter_input, predivide_factor)",
+         "_div_if_needed(reduce_output, postdivide_factor)",
+         "overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)"]
+for line in lines:
+    print(f"{'found' if line in collectives else 'MISSING'}: {line}")
+assert all(line in collectives for line in lines)
+
+# %% [markdown]
+# So on a mesh of one rank, reduce in float32 (`MixedPrecisionPolicy(reduce_dtype=torch.float32)`),
+# as the first run above did. Check it against one process, as here.
+#
 # ## 6. Uneven tokens per expert, and an expert with none
 #
 # The router rarely splits tokens evenly: the counts above were uneven, and the rule was still
@@ -470,10 +514,20 @@ for grad in (None, torch.zeros(2)):
 #
 # ## The one rule of notebooks 02, 07, 08, 10, 11 and 12
 #
-# Divide by the number of data shards that contributed to the loss. Never divide by the size of
-# the group a parameter happens to be reduced over. Sum, never average, the partial gradients
-# of a parameter. Notebooks 10 and 11 reach it for 2-D meshes, tensor parallelism and
-# pipelines. The table below is computed from this notebook's checks, at W = 4.
+# The course says the rule once, in these words:
+#
+# > **The rule.** Every gradient must be the gradient of one loss over the whole step's data. Sum form:
+# > each rank adds up its loss terms (tokens, samples, completions) and divides by their global count,
+# > over every micro-batch of every rank that holds other data. Mean form: each data shard takes its
+# > own mean, and the summed gradients are divided by the number of data shards. The data shards are
+# > the data-parallel × context-parallel ranks × the micro-batches, and this form needs as many loss
+# > terms in each. DDP and FSDP divide by the data-parallel size themselves: multiply a sum-form loss
+# > by it. Divide once, and never by the size of a group a gradient is only reduced over. Sum partial
+# > gradients; never average them.
+#
+# Here the experts' rule is the mean form: each rank's mean, ÷ W, the data shards. Notebooks 10
+# and 11 reach the rule for 2-D meshes, tensor parallelism and pipelines. The table below is
+# computed from this notebook's checks, at W = 4.
 
 # %%
 W4 = 4
@@ -652,6 +706,9 @@ assert all(any(abs(x - 1) > 0.1 for x in c[3]) for c in checks if c not in exact
 # def main():
 #     device = init_distributed()
 #     rank, world_size = dist.get_rank(), dist.get_world_size()
+#     if world_size % EP:                                # a mesh would leave ranks out: refuse
+#         raise SystemExit(f"run a multiple of EP = {EP} ranks (--nproc-per-node 2, 4...), not "
+#                          f"{world_size}: each expert-parallel group holds EP ranks")
 #     mesh = init_device_mesh(device.type, (world_size // EP, EP), mesh_dim_names=("edp", "ep"))
 #     ep_rank, edp_group = mesh.get_local_rank("ep"), mesh["edp"].get_group()
 #     torch.manual_seed(0)                               # the same initial weights on every rank

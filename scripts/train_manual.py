@@ -7,7 +7,7 @@
 
 Both scripts, ``scripts/train_manual.py`` (notebook 02's ``average_gradients``) and
 ``scripts/train_ddp.py`` (DistributedDataParallel, notebook 03), run on CPUs (gloo) and on one GPU
-per rank (nccl), on one machine or on many (the README has the multi-node and SLURM commands),
+per rank (nccl), on one machine or on many (docs/cluster.md has the multi-node and SLURM commands),
 with no edits. Each is a deliberate lesson copy of the other, so ``diff
 scripts/train_manual.py scripts/train_ddp.py`` is exactly what DDP changes. Each needs the
 course's package (``gradsync_tutorial``) for the data, the model, the check of the checkpoint's

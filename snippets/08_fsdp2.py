@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-CHECKPOINT = "checkpoints/08_fsdp2"           # a folder: each rank writes its own file
+CHECKPOINT = "checkpoints/08_fsdp2"  # a folder every rank can read (shared file system on many
+                                    # machines): each rank writes its own file into it
 
 
 def init_distributed():
@@ -95,8 +96,9 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # 1/N of the state
     # A token-count loss needs sum_gradients_over_ranks(model) here (checked at the end).
 
-    g = torch.Generator().manual_seed(1)       # one global batch...
-    x, y = torch.randn(64, 20, generator=g).to(device), torch.randint(0, 3, (64,), generator=g)
+    g = torch.Generator().manual_seed(1)       # one global batch, 16 samples per rank...
+    n = 16 * world_size                        # equal shards: FSDP2's mean is then the mean
+    x, y = torch.randn(n, 20, generator=g).to(device), torch.randint(0, 3, (n,), generator=g)
     y = y.to(device)
     mine = slice(rank, None, world_size)       # ...a different shard on each rank
     reference = torch.optim.SGD(whole.parameters(), lr=0.1, momentum=0.9)

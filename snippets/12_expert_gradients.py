@@ -110,6 +110,9 @@ def sync_moe_gradients(dense_params, expert_params, expert_group, divide_by=None
 def main():
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size % EP:                                # a mesh would leave ranks out: refuse
+        raise SystemExit(f"run a multiple of EP = {EP} ranks (--nproc-per-node 2, 4...), not "
+                         f"{world_size}: each expert-parallel group holds EP ranks")
     mesh = init_device_mesh(device.type, (world_size // EP, EP), mesh_dim_names=("edp", "ep"))
     ep_rank, edp_group = mesh.get_local_rank("ep"), mesh["edp"].get_group()
     torch.manual_seed(0)                               # the same initial weights on every rank

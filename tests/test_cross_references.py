@@ -165,3 +165,62 @@ def test_the_docs_quote_tracebacks_at_the_lines_the_code_has_now():
         assert source.splitlines()[int(line) - 1].strip() == code.strip(), (
             f"{where}: {code.strip()!r} is not that line now")
         assert _enclosing_function(source, int(line)) == function, f"{where}: not in {function}"
+
+
+# "The check runs it on 2 ranks, then on 3": a size typed next to a check drifts from the sizes
+# the check draws (3 to 5). The check prints its own sizes; the words around it do not say 3.
+SIZE_IN_PROSE = re.compile(r"\bthen (?:on )?3\b(?! to)|\band (?:on )?3 ranks\b|\b3 ranks with \d")
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=lambda p: p.name[:2])
+def test_an_exercise_section_states_no_world_size_of_its_check(path):
+    source = path.with_suffix(".py").read_text(encoding="utf-8")
+    if "## Exercise" not in source:
+        return
+    section = source.split("## Exercise", 1)[1].split("gst.exercises.check_", 1)[0]
+    prose = "\n".join(line for line in section.splitlines() if line.startswith("#"))
+    assert not SIZE_IN_PROSE.search(prose), (
+        f"{path.name}'s exercise text states a size its check may not run at: "
+        f"{SIZE_IN_PROSE.search(prose).group(0)!r}: the second size is drawn from 3 to 5; say "
+        "'at two world sizes' (the check prints which)")
+
+
+def test_every_glossary_term_is_defined_once():
+    """The site keeps one definition per term: a second one would silently replace the first."""
+    glossary = README.split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    terms = re.findall(r"^- \*\*([^*]+)\*\*:", glossary, re.M)
+    assert len(terms) > 30, "the README's glossary lost its entries"
+    twice = sorted({t for t in terms if terms.count(t) > 1})
+    assert not twice, f"the README's glossary defines {twice} more than once: keep one entry"
+
+
+def _quoted_rule(text: str, prefix: str = "") -> str | None:
+    """The blockquote that opens with "**The rule.**" in ``text`` (lines ``prefix> ...``),
+    whitespace folded; None if there is none."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines)
+                  if line.startswith(f"{prefix}> **The rule.**")), None)
+    if start is None:
+        return None
+    quote = []
+    for line in lines[start:]:
+        if not line.startswith(f"{prefix}>"):
+            break
+        quote.append(line[len(prefix) + 1:])
+    return " ".join(" ".join(quote).split())
+
+
+def test_the_rule_is_said_once_in_the_readmes_words_wherever_a_notebook_states_it():
+    """The README states the rule in both of its forms; a notebook that states it quotes those
+    words, so that no notebook drifts into a form of its own (10's once left out context
+    parallel). The notebooks that teach a form of it (07, 10, 11, 12, 14) all state it."""
+    rule = _quoted_rule(README)
+    assert rule and "Sum form" in rule and "Mean form" in rule and "context-parallel" in rule
+    stating = {}
+    for path in NOTEBOOK_PATHS:
+        quoted = _quoted_rule(path.with_suffix(".py").read_text(encoding="utf-8"), "# ")
+        if quoted is not None:
+            stating[path.name[:2]] = quoted
+    drifted = sorted(n for n, quoted in stating.items() if quoted != rule)
+    assert not drifted, f"notebooks {drifted} state the rule in other words than the README's"
+    assert {"07", "10", "11", "12", "14"} <= set(stating), sorted(stating)

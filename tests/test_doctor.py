@@ -74,8 +74,8 @@ def test_an_old_torch_or_a_missing_torchvision_fails_with_the_upgrade_command(mo
     monkeypatch.setattr(torch, "__version__", "2.1.2")
     old = doctor.check_torch()
     assert old.failed
-    assert "torch 2.1.2 is older than 2.4" in old.detail
-    assert "pip install --upgrade 'torch>=2.4' 'torchvision>=0.19'" in old.fix
+    assert "torch 2.1.2 is older than 2.14" in old.detail
+    assert "pip install --upgrade 'torch>=2.14' 'torchvision>=0.29'" in old.fix
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     monkeypatch.setitem(sys.modules, "torchvision", None)  # `import torchvision` now fails
     missing = doctor.check_torch()

@@ -50,7 +50,7 @@ def test_environment_yml_installs_this_package_with_dev_extra():
 
 def test_torch_ranges_admit_the_versions_this_course_is_tested_with():
     deps = _pyproject()
-    assert deps["pytorch"] == ">=2.4" and deps["torchvision"] == ">=0.19"
+    assert deps["pytorch"] == ">=2.14" and deps["torchvision"] == ">=0.29"
 
 
 def test_ci_runs_the_readme_test_command():

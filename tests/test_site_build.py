@@ -63,9 +63,9 @@ def test_the_landing_page_has_the_answer_the_glossary_and_the_notebooks():
     for start in site.LANDING:
         assert f"\n## {start}" in landing
     assert "```{glossary}" in landing and "rank\n  one of the processes" in landing
-    # the navigation: the README table's four parts, every notebook once, in course order
+    # the navigation: the README table's five parts, every notebook once, in course order
     captions = re.findall(r":caption: (Part .+)\n", landing)
-    assert [c.split(" — ")[0] for c in captions] == ["Part 1", "Part 2", "Part 3", "Part 4"]
+    assert [c.split(" — ")[0] for c in captions] == [f"Part {n}" for n in range(1, 6)]
     pages = [page for caption in captions
              for page in landing.split(f":caption: {caption}\n\n")[1].split("```")[0].split()]
     assert pages == [f"notebooks/{p.stem}" for p in course.notebooks.values()]

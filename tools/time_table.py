@@ -5,6 +5,7 @@ README's table come from that run (never typed by hand).
     python tools/time_table.py --write    # only write README.md from the record
     python tools/time_table.py --check    # exit 1 if README.md is not as recorded (as the tests)
     python tools/time_table.py --against ../main   # also time that checkout's notebooks
+    python tools/time_table.py --only 14  # make times NB=14: time one notebook, merge it in
 
 ``--against DIR`` executes, just before each notebook, the notebook of the same number in another
 checkout of the course (its own package, nothing written there), and prints each pair's wall
@@ -27,6 +28,12 @@ README from it:
   when and where the run was made, and the last column of every other table row that names
   notebooks ("notebooks 00 to 03") and ends in a run time: the parts and the agendas, each the
   total of its notebooks.
+
+``--only NN`` (``make times NB=NN``) times one notebook, with the epoch estimate before and
+after it, and merges its time into the record: the other notebooks keep theirs, and the record
+keeps this notebook's own date, load and epoch under ``"timed alone"``. The README's line under
+the table says which figures come from such a run. A whole run (``make times``) starts the record
+afresh. A new notebook is timed this way without re-executing, and re-committing, the others.
 
 The times mean something only on a quiet machine: measuring refuses to start when the load
 average is 1 or more (``--allow-load`` measures anyway, and the record says so). The course's
@@ -112,6 +119,46 @@ def measure(allow_load: bool = False, against: Path | None = None) -> dict:
     }
 
 
+def measure_one(number: str, allow_load: bool = False) -> dict:
+    """Time notebook ``number`` alone, between two epoch estimates: what :func:`merge` adds."""
+    load = _load()
+    if load is not None and load >= 1 and not allow_load:
+        raise SystemExit(f"the load average is {load:.2f}: the time would be false. Measure on a "
+                         "quiet machine, or pass --allow-load.")
+    from gradsync_tutorial import doctor
+
+    build = _notebooks_script()
+    sources = [s for s in build.sources(REPO) if s.name[:2] == number]
+    if not sources:
+        raise SystemExit(f"no notebook {number}: name it by its number, e.g. --only 07")
+    epochs = [doctor.measure_epoch().value]
+    seconds, cpu = _timed(build.build, sources[0], run=True)
+    epochs.append(doctor.measure_epoch().value)
+    return {"name": build.notebook_of(sources[0]).name, "seconds": seconds, "cpu": cpu,
+            "measured": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_before": load, "load_after": _load(),
+            "epoch_seconds": round(sum(epochs) / len(epochs), 2)}
+
+
+def merge(record: dict, timed: dict) -> dict:
+    """The record with one notebook's time from :func:`measure_one` (the others unchanged).
+
+        >>> old = {"measured": "then", "notebooks": {"00_a.ipynb": 5.0}, "cpu_seconds": {}}
+        >>> new = merge(old, {"name": "01_b.ipynb", "seconds": 9.0, "cpu": 8.0, "measured": "now",
+        ...                   "load_before": 0.2, "load_after": 0.9, "epoch_seconds": 7.0})
+        >>> new["notebooks"], new["timed alone"]["01_b.ipynb"]["measured"]
+        ({'00_a.ipynb': 5.0, '01_b.ipynb': 9.0}, 'now')
+    """
+    merged = json.loads(json.dumps(record))  # a copy
+    name = timed["name"]
+    merged["notebooks"] = dict(sorted({**merged["notebooks"], name: timed["seconds"]}.items()))
+    merged["cpu_seconds"] = dict(sorted({**merged.get("cpu_seconds", {}),
+                                         name: timed["cpu"]}.items()))
+    alone = {k: timed[k] for k in ("measured", "load_before", "load_after", "epoch_seconds")}
+    merged["timed alone"] = {**merged.get("timed alone", {}), name: alone}
+    return merged
+
+
 def _execute_elsewhere(build, source: Path, checkout: Path) -> None:
     """Execute another checkout's notebook source, full mode, its package first on the kernel's
     path; nothing is written."""
@@ -157,8 +204,13 @@ def run_line(record: dict) -> str:
     core = sum(s for name, s in record["notebooks"].items() if name[:2] in CORE)
     load = ("" if m["load_before"] is None else
             f", load average {m['load_before']:g} before and {m['load_after']:g} after")
+    alone = "".join(
+        f" Notebook {name[:2]} was timed alone by `make times NB={name[:2]}` ({t['measured']}"
+        + ("" if t["load_before"] is None else f", load average {t['load_before']:g} before")
+        + ")." for name, t in sorted(record.get("timed alone", {}).items()))
     return (f"Measured in one run by `make times` ({record['measured']}, {m['cores']} cores, "
-            f"{m['gpus']} GPUs{load}): notebooks 00 to 06 take {duration(round(core))} in all.")
+            f"{m['gpus']} GPUs{load}): notebooks 00 to 06 take {duration(round(core))} in all."
+            + alone)
 
 
 def render_readme(text: str, record: dict, notebooks: dict[str, str]) -> str:
@@ -252,8 +304,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure even on a busy machine (the record says so)")
     parser.add_argument("--against", type=Path, metavar="DIR",
                         help="also time another checkout's notebooks, each just before ours")
+    parser.add_argument("--only", metavar="NN",
+                        help="time notebook NN alone and merge its time into the record")
     args = parser.parse_args(argv)
-    if not (args.write or args.check):
+    if args.only and not (args.write or args.check):
+        old = json.loads(RECORD.read_text(encoding="utf-8"))
+        record = merge(old, measure_one(args.only.zfill(2), args.allow_load))
+        RECORD.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        print(f"{RECORD.relative_to(REPO)}: notebook {args.only} merged in")
+    elif not (args.write or args.check):
         record = measure(args.allow_load, args.against)
         RECORD.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         print(f"{RECORD.relative_to(REPO)}: written")

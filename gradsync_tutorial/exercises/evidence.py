@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import diagnoses
 from ..checks import max_abs_diff as max_abs_diff  # the package's one comparison of tensors
 from ..detect import CollectiveCounter
 from ..model import Net
@@ -257,6 +258,13 @@ def divisor_hint(c: float, right: int, what: str) -> str:
             f"you are given: it is not always {round(k)}.")
 
 
+def factor_words(c: float, world_size: int = 1, micro: int = 1) -> str:
+    """What verify_gradients (notebook 15) says of a gradient ``c`` times the right one, when
+    ``c`` is a size of the job: the same words (:mod:`gradsync_tutorial.diagnoses`); else ""."""
+    said = diagnoses.meaning(c, world_size=world_size, micro=micro, tol=1e-4)
+    return f" verify_gradients (notebook 15) would say: {said}." if said else ""
+
+
 def mean_mismatch(got: dict, expected: dict, n: int, what: str, how: str,
                   divisor: str = "world_size, dist.get_world_size()") -> str | None:
     """What is wrong with ``got``, gradients that should be ``expected`` (``what``: "the mean
@@ -266,10 +274,11 @@ def mean_mismatch(got: dict, expected: dict, n: int, what: str, how: str,
     c = scale(got, expected)
     if c is None or abs(c - 1) <= 1e-3:
         return None
+    words = factor_words(c, **{"micro" if "micro" in divisor else "world_size": n})
     if abs(c - n) < 1e-3:
-        return f"your gradients are {times_text(c)} the expected ones ({what}): {how}"
+        return f"your gradients are {times_text(c)} the expected ones ({what}): {how}{words}"
     return (f"your gradients are {times_text(c)} the expected ones ({what}): divide the sum "
-            f"by {divisor.split(',')[0]} ({n} here), once.{divisor_hint(c, n, divisor)}")
+            f"by {divisor.split(',')[0]} ({n} here), once.{divisor_hint(c, n, divisor)}{words}")
 
 
 def changed_text(before: dict, after: dict, what: str) -> str | None:

@@ -3,7 +3,8 @@ batches, n_microbatches)`` runs one ``torch.distributed.pipelining`` schedule st
 leaves in every stage's ``.grad`` the gradient of the mean loss over all the batches together.
 
 The check cuts a small float64 model into one stage per rank and runs the learner's function on
-2 ranks with 4 micro-batches × 2 steps, then on 3 ranks with 3 × 3, on fresh random data. It
+2 ranks with 4 micro-batches × 2 steps, then at the second size with 3 × 3, on fresh random
+data. It
 compares every stage's gradient with one process's on the union batch. Each step's mean-loss
 gradient ``g_s`` is computed too, and the answer is fitted as ``Σ a_s g_s``: the coefficients
 name the mistake. The right answer has every ``a_s = 1/S`` (S steps of n micro-batches);

@@ -3,12 +3,11 @@
 pseudo-gradient (the round's start weights minus the weights now) averaged over the replicas
 that take part; a healing replica sends zeros and receives the average.
 
-The check runs the learner's function at 2 and then 3 ranks, two rounds each: in the first every
-replica takes part, in the second rank 1 is healing. So dividing by the world size is right in
-round 1 and wrong in round 2, and no hard-coded count is right in both. Every rank's weights are
-fresh random numbers, drawn from a seed that rank 0 draws and sends before the learner's function
-runs: a rank can know the others' weights only through a collective.
-"""
+The check runs the learner's function on 2 ranks, then at the second size, two rounds each: in the
+first every replica takes part, in the second rank 1 is healing. So dividing by the world size is
+right in round 1 and wrong in round 2, and no hard-coded count is right in both. Every rank's
+weights are fresh random numbers, drawn from a seed that rank 0 draws and sends before the learner's
+function runs: a rank can know the others' weights only through a collective. """
 
 from __future__ import annotations
 

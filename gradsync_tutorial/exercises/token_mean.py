@@ -3,8 +3,8 @@ micro_batches)`` leaves in every rank's ``.grad``, under DDP with gradient accum
 gradient of the mean over every valid token of every rank's micro-batches, and returns that mean.
 
 The check runs the learner's function at two sizes that no guess passes both of: 2 ranks with 4
-micro-batches each, then 3 ranks with 3 (the notebook uses 2 and 2; 2 ranks first, so that a
-check run from the notebook starts on its warm workers). Every micro-batch holds fresh random
+micro-batches each, then the second size with 3 (the notebook uses 2 and 2; 2 ranks first, so
+that a check run from the notebook starts on its warm workers). Every micro-batch holds fresh random
 sequences with its own number of valid tokens, drawn from a seed that rank 0 draws and sends
 before the learner's function runs. Each rank also computes, for the diagnosis, its own
 micro-batches' gradient sums, loss sums and counts; the diagnoses build the reference and each
@@ -225,7 +225,8 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str 
              if abs(c * run.size - k) < 1e-6 and k not in (0, run.size) else "")
     return (f"your gradients are {evidence.times_text(c)} the expected ones (the gradient of "
             f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
-            "sum? / the global count × the world size." + guess)
+            "sum? / the global count × the world size." + guess
+            + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
 
 
 def _ranks_differ(run: Run) -> str | None:
@@ -316,13 +317,13 @@ def check_token_mean_backward(token_mean_backward: Callable,
     micro-batches, and it returns that mean loss, the same on every rank.
 
     ``model`` is a ``DistributedDataParallel`` model; ``micro_batches`` this rank's list of
-    ``(inputs, targets)``, targets padded with -100, fresh random sequences at every check.
-    Runs it on 2 ranks with 4 micro-batches each, then on 3 ranks with 3 (``world_size``: another
-    number, or several), and compares with one process on all of them. Says so if you took the
-    mean per micro-batch (the 2024 accumulation bug), divided by a rank's own count, forgot the ×
-    world size that DDP's division needs, counted padding, exchanged the count without a
-    collective, let DDP synchronize every micro-batch (no ``no_sync``), changed the parameters
-    or the micro-batches...
+    ``(inputs, targets)``, targets padded with -100, fresh random sequences at every check. Runs it
+    on 2 ranks with 4 micro-batches each, then at the second size with 3 (``world_size``: another
+    number, or several), and compares with one process on all of them. Says so if you took the mean
+    per micro-batch (the 2024 accumulation bug), divided by a rank's own count, forgot the × world
+    size that DDP's division needs, counted padding, exchanged the count without a collective, let
+    DDP synchronize every micro-batch (no ``no_sync``), changed the parameters or the
+    micro-batches...
 
         >>> import gradsync_tutorial as gst
         >>> def token_mean_backward(model, micro_batches):   # the mean per micro-batch: caught

@@ -19,6 +19,10 @@ puts back:
   every logger's level and handlers, a library's included: ``basicConfig`` inside ``fn``
   works every time; ``logging.captureWarnings``);
 * file descriptors 1 and 2 (a job's ``os.close(1)``);
+* the ``atexit`` handlers the job's own code registered (``atexit.register(log.close)``): run
+  when the job ends, after its threads, the last registered first, as an interpreter's exit
+  runs them (:func:`run_exit_handlers`), then forgotten, so they neither pile up nor run
+  again;
 * any function of :data:`_PATCHABLE`'s modules (``builtins``, ``torch``, ``torch.autograd``,
   ``torch.nn.init``, ``torch.nn.functional``...), any attribute of the classes in ``torch``,
   ``torch.nn``, ``torch.optim`` and ``torch.distributed``, that a job replaced
@@ -51,6 +55,7 @@ import os
 import random
 import signal
 import sys
+import traceback
 import types
 import warnings
 
@@ -67,6 +72,7 @@ def start_job(job: Job) -> None:
     _put_back_globals()
     _forget_edited_modules()
     _once_called.clear()
+    _exit_handlers.clear()
     put_back_descriptors()
     # Undo a previous job's swap (or close) of the streams.
     sys.stdout, sys.stderr = original_stream("stdout"), original_stream("stderr")
@@ -99,6 +105,7 @@ def remember() -> None:
         importlib.import_module(name)
     _course_precision()
     _watch_once_per_process()  # before the snapshot: the watcher is what jobs find
+    _watch_exit_handlers()
     put_back_descriptors()  # the first call copies them
     _fresh["sys.path"] = list(sys.path)
     _fresh["sys.argv"] = list(sys.argv)
@@ -401,6 +408,49 @@ def retire_reasons() -> tuple[str, ...]:
         reasons.append(f"loading fn's module (or its arguments) imported "
                        f"{', '.join(_stateful_for_fn)}, which may keep process-wide state")
     return tuple(reasons)
+
+
+# -- the job's atexit handlers, run when it ends ------------------------------------------------
+
+_exit_handlers: list[tuple] = []  # (function, args, kwargs) the job's own code registered
+
+
+def _watch_exit_handlers() -> None:
+    """Note each ``atexit`` handler that the user's code registers (a library's, such as
+    ``weakref.finalize``'s, stays for the process). Installed once, at start-up."""
+    import atexit
+
+    register, unregister = atexit.register, atexit.unregister
+
+    @functools.wraps(register)
+    def register_noted(func, *args, **kwargs):
+        if not _installed_or_standard(os.path.abspath(sys._getframe(1).f_code.co_filename)):
+            _exit_handlers.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    @functools.wraps(unregister)
+    def unregister_noted(func):
+        _exit_handlers[:] = [h for h in _exit_handlers if h[0] != func]
+        return unregister(func)
+
+    atexit.register, atexit.unregister = register_noted, unregister_noted
+
+
+def run_exit_handlers() -> None:
+    """The job ended (after its threads): run the ``atexit`` handlers its code registered, the
+    last registered first, as an interpreter's exit does (one that raises is shown, and the
+    others still run), and forget them."""
+    import atexit
+
+    unregister = getattr(atexit.unregister, "__wrapped__", atexit.unregister)
+    while _exit_handlers:
+        func, args, kwargs = _exit_handlers.pop()
+        unregister(func)  # from the process's list: run once, here
+        try:
+            func(*args, **kwargs)
+        except BaseException:  # noqa: BLE001 - shown as Python shows it at exit
+            print(f"Exception ignored in atexit callback {func!r}:", file=sys.stderr)
+            traceback.print_exc()
 
 
 # -- the user's own modules, as edited since -----------------------------------------------------

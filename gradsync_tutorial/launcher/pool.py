@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection
 
-from . import hang_report, template
+from . import hang_report, spawner, template
 from .cells import file_label, with_cell_labels
 from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
 from .process_tree import popen_kwargs, stop_trees
@@ -227,9 +227,9 @@ def start_worker(env: dict[str, str], rank: int):
             return template.fork(env, os.getcwd(), rank)
         except template.TemplateGone:
             pass  # a fresh interpreter shows what went wrong, if it goes wrong again
-    return subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            **popen_kwargs())
+    return spawner.start(lambda: subprocess.Popen(
+        [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **popen_kwargs()))
 
 
 class Workers:
@@ -363,7 +363,10 @@ class Workers:
     def run(self, state: JobState, jobs: Sequence[Job], deadline: float) -> None:
         """Send each rank its job; wait until every rank returned, one failed, or ``deadline``
         (:class:`Deadline`), or a rank is found waiting for good on one that returned
-        (:class:`WaitsForAReturnedRank`)."""
+        (:class:`WaitsForAReturnedRank`). A rank that died while starting is a failure
+        already: no job is sent (the launcher reports it as it reports a rank killed mid-job)."""
+        if state.failures:
+            return
         for rank, job in enumerate(jobs):
             self.send(rank, job)
         state.sent = True
@@ -493,8 +496,11 @@ class Workers:
                 return
 
     def send(self, rank: int, message: object) -> None:
+        conn = self.conns[rank]
+        if conn is None:  # it died before connecting back: the pump sees the exit
+            return
         try:
-            self.conns[rank].send(message)
+            conn.send(message)
         except OSError:
             pass  # it died: the pump sees the exit and reports it
 

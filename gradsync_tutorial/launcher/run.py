@@ -61,7 +61,9 @@ in a process group of its own (a new session on POSIX, ``CREATE_NEW_PROCESS_GROU
 Windows). Stopping reads the rank's process tree first (``/proc`` on Linux, ``ps`` on macOS)
 and signals all of it; Windows has no such signals, and ``taskkill /T /F`` stops the tree. On
 Linux a rank also dies with the notebook's process even when stuck in C code
-(``PR_SET_PDEATHSIG``), and so does every process it forks from Python; elsewhere the socket
+(``PR_SET_PDEATHSIG``: the launcher starts its processes from one long-lived thread,
+:mod:`.spawner`, since the signal follows the thread that started a process), and so does
+every process it forks from Python; elsewhere the socket
 to the notebook is the lifeline, which a rank stuck in C code holding the GIL cannot read. On
 POSIX a small reaper forked by each worker kills the rank's process group once the rank is gone,
 however it went: the programs a rank started with ``subprocess``, which no parent-death signal
@@ -85,7 +87,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..device import backend_for
-from . import pool
+from . import pool, template
 from .cells import serialize, shown_from_caller
 from .errors import timeout_error
 from .preflight import check_call, cpu_count, ranks_to_show
@@ -181,7 +183,7 @@ def launch(
         workers = _take_workers(world_size, reuse_workers)
     except BaseException:  # they could not all start (and were stopped): release the port
         del store
-        shutdown_workers()  # a failure leaves no worker behind, the idle ones included
+        _stop_idle_pools()  # a failure leaves no worker behind, the idle ones included
         raise
     state = workers.new_job(show_ranks)
     startup = max(timeout, STARTUP_SECONDS)
@@ -220,7 +222,7 @@ def launch(
     finally:
         del store  # closes the port
         if not ended_well:  # a failure leaves no worker behind, the idle ones included
-            shutdown_workers()
+            _stop_idle_pools()
 
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
@@ -271,7 +273,7 @@ def _take_workers(world_size: int, reuse: bool) -> pool.Workers:
     (``reuse=False``: every idle pool is stopped first)."""
     key = _pool_key(world_size)
     if not reuse:
-        shutdown_workers()
+        _stop_idle_pools()
     with _pool_lock:
         idle = _idle.pop(key, None)
     if idle is not None:
@@ -295,14 +297,23 @@ def _give_back(workers: pool.Workers, reuse: bool) -> None:
 
 
 def shutdown_workers() -> None:
-    """Stop the idle workers kept for the next launch (they also stop with the kernel).
+    """Stop every process the launcher keeps: the idle workers kept for the next launch and,
+    on Linux, the templates that fork them (all of them also stop with the kernel).
 
-    Call it after editing a module that your training function imports, so that the next
-    launch starts fresh interpreters that import the new code.
+    Call it to free their memory, or after editing a module that your training function
+    imports, so that the next launch starts fresh interpreters that import the new code (and
+    torch again: a few seconds).
 
         >>> import gradsync_tutorial as gst
         >>> gst.shutdown_workers()
     """
+    _stop_idle_pools()
+    template.stop_all()
+
+
+def _stop_idle_pools() -> None:
+    """Stop the idle workers (after a failure, or for ``reuse_workers=False``); the templates
+    stay, so that the next pool is forked at once."""
     with _pool_lock:
         idle = list(_idle.values())
         _idle.clear()

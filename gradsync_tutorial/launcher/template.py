@@ -40,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from . import spawner
 from .process_tree import alive
 from .protocol import CONTROL_ENV, END_MARK_ENV, TOKEN_ENV, WORKER_MODULE
 
@@ -103,14 +104,17 @@ class Template:
         self.changed = threading.Condition()
         self.lock = threading.Lock()  # one fork request at a time
         self.pending: list[int] = []  # pids the template replied with, not yet taken
+        self.abandoned = 0  # requests whose asker gave up (an interrupt): kill their ranks
         self.stderr_tail: list[str] = []
         self.ended = False
         try:
-            self.proc = subprocess.Popen(  # a session of its own: an interrupt is not for it
+            # A session of its own: an interrupt is not for it. Started from the long-lived
+            # thread, so that it outlives the thread that launched (its parent-death signal).
+            self.proc = spawner.start(lambda: subprocess.Popen(
                 [sys.executable, "-m", TEMPLATE_MODULE], cwd=cwd, start_new_session=True,
                 env=dict(env, **{SOCKET_ENV: str(theirs.fileno())}),
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         except BaseException:
             ours.close()
             raise
@@ -132,7 +136,11 @@ class Template:
                     socket.send_fds(self.sock, [pickle.dumps(env)], [out_w, err_w])
                 except OSError as e:
                     raise self._gone() from e
-                pid = self._next_pid()
+                try:
+                    pid = self._next_pid()
+                except BaseException:  # the stop button, say: the fork may come all the same
+                    self._abandon()
+                    raise
         except BaseException:
             os.close(out_r)
             os.close(err_r)
@@ -153,6 +161,25 @@ class Template:
                 self.changed.wait(0.05)
             return self.pending.pop(0)
 
+    def _abandon(self) -> None:
+        """The launcher stopped waiting for a fork it asked for: stop that rank when its pid
+        comes, so that it neither runs on nor is handed to the next request."""
+        with self.changed:
+            self.abandoned += 1
+            self._kill_abandoned()
+
+    def _kill_abandoned(self) -> None:
+        """(With ``changed`` held.) Kill each rank that a request given up was answered with."""
+        while self.abandoned and self.pending:
+            self.abandoned -= 1
+            pid = self.pending.pop(0)
+            for kill in (os.killpg, os.kill):  # its session and reaper; else the rank itself
+                try:
+                    kill(pid, signal.SIGKILL)
+                    break
+                except OSError:
+                    continue
+
     def _gone(self) -> TemplateGone:
         tail = "".join(self.stderr_tail[-20:]).strip()
         said = f"; it printed:\n{tail}" if tail else ""
@@ -168,6 +195,7 @@ class Template:
                 with self.changed:
                     if kind == "started":
                         self.pending.append(pid)
+                        self._kill_abandoned()
                     else:
                         self.exits[pid] = code
                     self.changed.notify_all()
@@ -183,6 +211,15 @@ class Template:
             self.stderr_tail.append(raw.decode("utf-8", "replace"))
             del self.stderr_tail[:-50]
         self.proc.stderr.close()
+
+    def stop(self) -> None:
+        """End the template now (:func:`stop_all`): the ranks it forked go with it (their
+        parent-death signal); the launcher stops them first."""
+        self.retire()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
 
     def retire(self) -> None:
         """Fork no more: the template ends with the last rank it forked, and reports each exit
@@ -220,6 +257,16 @@ def start(env: dict[str, str], cwd: str, ranks: range) -> None:
             t.retire()
 
 
+def stop_all() -> None:
+    """End every template (``gst.shutdown_workers()``): the memory of their imports is freed,
+    and the next launch starts new ones, which import torch again."""
+    with _lock:
+        stopping = [t for templates in _templates.values() for t in templates.values()]
+        _templates.clear()
+    for t in stopping:
+        t.stop()
+
+
 def fork(env: dict[str, str], cwd: str, rank: int) -> Forked:
     """Fork rank ``rank``'s worker with ``env`` from its template for this environment,
     started if need be (:func:`start` starts them all at once).
@@ -247,7 +294,7 @@ def main() -> None:
     from . import worker
 
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_ENV)))
-    worker._die_with_parent()  # never outlive the launcher's thread that started us
+    worker._die_with_parent()  # never outlive the launcher (its long-lived starter thread)
     import cloudpickle  # noqa: F401 - what a worker imports before its first job
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401

@@ -401,8 +401,9 @@ def _die_with_parent() -> None:
     The worker calls it for itself at start-up, and registers it for every process it forks
     from Python (``multiprocessing`` with fork, ``os.fork``), so those never outlive the rank.
     Other platforms have no such signal: there the socket to the launcher is the lifeline.
-    Linux sends it when the *thread* that started the worker ends: launch from a thread that
-    then exits, and the idle workers go with it (the next launch sees it and starts fresh).
+    Linux sends it when the *thread* that started the worker ends: so the launcher starts its
+    processes from one long-lived thread (:mod:`.spawner`), and a launch from a thread that
+    then exits leaves the templates and the idle workers running.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -587,6 +588,7 @@ def main() -> None:
         message = inbox.get()
         if isinstance(message, Job):
             reply = _run_job(message, channel)
+            _fresh_state.run_exit_handlers()  # as the interpreter's exit would, after threads
             _end_of_job(message.job_id)
             channel.send(reply)
         elif isinstance(message, Teardown):

@@ -32,6 +32,8 @@ def sizes_said(name: str, n: int) -> tuple[str, ...]:
             "global_mean_loss": ("on 2 ranks, with rank 0: ", f"; on {n} ranks, with rank 0: "),
             "token_mean_backward": ("on 2 ranks × 4 micro-batches",
                                     f"on {n} ranks × 3 micro-batches"),
+            "seq_mean_backward": ("on 2 ranks × 3 micro-batches",
+                                  f"on {n} ranks × 2 micro-batches"),
             "sync_moe_gradients": ("on 2 and 3 ranks (EP 2 and 3 × EDP 1), on 4 ranks",),
             }.get(name, (f"on 2 and {n} ranks",))
 

@@ -64,8 +64,7 @@ def _parents(world_size: int) -> list[int]:
 def test_each_rank_is_forked_by_its_own_template_for_its_environment(monkeypatch):
     gst.shutdown_workers()
     first = _parents(2)
-    gst.shutdown_workers()
-    again = _parents(3)
+    again = _parents(3)  # another size: a fresh pool (shutdown_workers() ends the templates)
     assert len(set(first)) == 2  # a template per rank
     assert again[:2] == first  # fresh workers, and no second import of torch for ranks 0 and 1
     gst.shutdown_workers()
@@ -155,3 +154,52 @@ def test_the_switch_is_read_from_the_environment():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, GRADSYNC_FRESH_INTERPRETERS="1")).stdout
     assert out.strip() == "False"
+
+
+def test_templates_outlive_the_thread_that_started_them():
+    """Their parent-death signal follows the thread that started them: a launch from a thread
+    that then ends must not take the templates, nor the ranks they forked, with it."""
+    import threading
+
+    from gradsync_tutorial.launcher.process_tree import alive
+
+    gst.shutdown_workers()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_parents(2)))
+    thread.start()
+    thread.join()
+    time.sleep(1.0)  # a parent-death signal would have arrived by now
+    assert all(alive(pid) for pid in seen[0]), "a template died with the thread"
+    assert _parents(2) == seen[0]  # the same templates, and their idle ranks, serve on
+
+
+def _template_pids() -> list[int]:
+    """This process's live templates (``python -m TEMPLATE_MODULE`` children)."""
+    from gradsync_tutorial.launcher.process_tree import alive, process_table
+
+    me = os.getpid()
+    return [pid for pid, ppid in process_table() if ppid == me and alive(pid)
+            and template.TEMPLATE_MODULE in _parent_command(pid)]
+
+
+def test_shutdown_workers_stops_the_templates_too_and_a_fresh_pool_imports_again():
+    """A user calls it to free memory or to start afresh: nothing of the launch stays."""
+    gst.shutdown_workers()
+    parents = _parents(2)
+    assert sorted(_template_pids()) == sorted(parents)
+    gst.shutdown_workers()
+    assert wait_dead(parents) == []
+    assert _template_pids() == []
+    assert not set(_parents(2)) & set(parents)  # fresh templates: torch imported again
+
+
+def test_a_failure_keeps_the_templates_so_the_next_pool_is_forked_at_once():
+    gst.shutdown_workers()
+    parents = _parents(2)
+
+    def fails(rank, world_size):
+        raise ValueError("on purpose")
+
+    with pytest.raises(gst.RankFailedError):
+        gst.launch(fails, world_size=2)
+    assert _parents(2) == parents

@@ -526,3 +526,44 @@ def test_records_a_notebook_s_logging_config_does_not_show_in_the_ranks_are_expl
         root.setLevel(level)
     gst.launch(progress, world_size=2)
     assert "not the ranks" not in capsys.readouterr().err  # the notebook shows no INFO either
+
+
+# -- (4) a job's atexit handlers run when it ends, as at the exit of a torchrun process ---------
+
+
+def _log_and_register(rank, world_size, folder, job):
+    import atexit
+    import threading
+    import time
+
+    log = open(folder / f"rank{rank}.log", "a")  # noqa: SIM115 - closed by its atexit handler
+    log.write(f"{job}: trained\n")  # buffered: lost unless the handler closes the file
+    atexit.register(log.close)
+    atexit.register(log.write, f"{job}: first registered\n")
+    atexit.register(log.write, f"{job}: last registered\n")
+
+    def save():
+        time.sleep(0.5)
+        log.write(f"{job}: thread\n")
+
+    threading.Thread(target=save).start()
+    return rank
+
+
+def test_a_job_s_atexit_handlers_run_when_it_ends_last_registered_first(tmp_path):
+    assert gst.launch(_log_and_register, 2, args=(tmp_path, "job 1")) == [0, 1]
+    expected = ["job 1: trained", "job 1: thread", "job 1: last registered",
+                "job 1: first registered"]
+    for rank in range(2):  # before shutdown_workers: the job has ended
+        assert (tmp_path / f"rank{rank}.log").read_text().splitlines() == expected
+
+
+def test_a_job_s_atexit_handlers_do_not_pile_up_for_the_next_job(tmp_path):
+    gst.launch(_log_and_register, 2, args=(tmp_path, "job 1"))
+    first = gst.launch(lambda rank, world_size: __import__("os").getpid(), 2)
+    gst.launch(_log_and_register, 2, args=(tmp_path, "job 2"))
+    assert gst.launch(lambda rank, world_size: __import__("os").getpid(), 2) == first  # warm
+    log = (tmp_path / "rank0.log").read_text().splitlines()
+    assert [line for line in log if line.startswith("job 1")] == [
+        "job 1: trained", "job 1: thread", "job 1: last registered", "job 1: first registered"]
+    assert len([line for line in log if line.startswith("job 2")]) == 4

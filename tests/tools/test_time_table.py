@@ -93,3 +93,18 @@ def test_the_doctor_reads_the_record_as_it_is(record):
 
     assert doctor.REFERENCE_SECONDS == {name: round(s) for name, s in record["notebooks"].items()}
     assert doctor.REFERENCE_EPOCH_SECONDS == record["epoch_seconds"]
+
+
+def test_a_notebook_timed_alone_is_merged_and_said_under_the_table(record):
+    """make times NB=NN: one notebook's time joins the record; the others keep theirs."""
+    alone = {"name": "99_new.ipynb", "seconds": 12.0, "cpu": 20.0,
+             "measured": "2026-12-06 04:00 UTC", "load_before": 0.3, "load_after": 0.8,
+             "epoch_seconds": 7.0}
+    merged = table.merge(record, alone)
+    assert merged["notebooks"]["99_new.ipynb"] == 12.0
+    assert {k: v for k, v in merged["notebooks"].items() if k != "99_new.ipynb"} == \
+        record["notebooks"]
+    assert merged["timed alone"]["99_new.ipynb"]["load_before"] == 0.3
+    assert ("Notebook 99 was timed alone by `make times NB=99` (2026-12-06 04:00 UTC, load "
+            "average 0.3 before).") in table.run_line(merged)
+    assert "99_new.ipynb" not in record["notebooks"]  # the record itself is left alone
