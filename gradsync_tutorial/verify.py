@@ -380,7 +380,7 @@ def _stats(g: torch.Tensor | None, r: torch.Tensor | None) -> dict:
         out["gr"] = torch.dot(g, r).item()
         d = g - r
         out["dd"] = torch.dot(d, d).item()
-        out["max"] = max(-d.min().item(), d.max().item()) if g.numel() else 0.0  # no |d| copy
+        out["max"] = max(0.0, -d.min().item(), d.max().item()) if g.numel() else 0.0  # no |d|
         f = out["gr"] / out["rr"] if out["rr"] else 0.0
         d.add_(r, alpha=1.0 - f)  # now g - f r: what no single factor explains
         out["fit"] = torch.dot(d, d).item()

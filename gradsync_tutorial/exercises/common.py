@@ -64,6 +64,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .. import LaunchTimeoutError, RankFailedError, launch
 from .._wording import require_int
 
@@ -263,6 +265,52 @@ def left_alone(fact: str, advice: str) -> Diagnosis:
 
     touched.__name__ = touched.__qualname__ = f"_{fact}_left_alone"
     return touched
+
+
+# The diagnoses of a DDP step over micro-batches (notebooks 07 and 14), shared by their checks:
+# each worker returns "missing" (parameters without a gradient), "grad" (rank's flat gradient)
+# and "counts" (its collectives by kind).
+
+
+#: Two mistakes of such a step, in the words both checks use.
+ZEROED_INSIDE = ("only the last micro-batch's gradient is left: do not zero the gradients (or set "
+                 ".grad = None) inside your loop.")
+SUMMED_TOO = ("you multiplied by the world size and also summed the gradients yourself: DDP "
+              "already averages them in backward(); do not all_reduce the gradients.")
+
+
+def no_gradient(run: Run) -> str | None:
+    """A parameter left without a gradient on some rank."""
+    rank, missing = run.first("missing")
+    if missing:
+        return (f"on rank {rank}, `{missing[0]}` has no gradient after {run.name}: call "
+                "backward() on each micro-batch's loss.")
+
+
+def ranks_differ(run: Run) -> str | None:
+    """Ranks that ended the step with different gradients."""
+    if any(not torch.equal(o["grad"], run.out["grad"]) for o in run.outs):
+        return ("the ranks ended with different gradients: let DDP average them (in the last "
+                "micro-batch's backward), and do not change one rank's .grad afterwards.")
+
+
+parameters_left_alone = left_alone(
+    "params", "compute the gradients only; the caller's optimizer takes the step.")
+
+
+def synced_once(micro_batches: Callable[[Run], int]) -> Diagnosis:
+    """A diagnosis: DDP must all-reduce once per step, not once per micro-batch
+    (``micro_batches(run)``: how many the rank had)."""
+
+    def synced_every_micro_batch(run: Run) -> str | None:
+        ddp = run.out["counts"].get("ddp_bucket_allreduce", 0)
+        if ddp > 1:
+            return (f"DDP all-reduced the gradients in {ddp} backward passes: run every "
+                    "micro-batch but the last inside `with model.no_sync():`, so that DDP "
+                    f"communicates once per step instead of {micro_batches(run)} times "
+                    "(notebook 03's accumulation pitfall).")
+
+    return synced_every_micro_batch
 
 
 def diagnose(run: Run, diagnoses: Sequence[Diagnosis], right: Sequence[Run] = ()) -> None:

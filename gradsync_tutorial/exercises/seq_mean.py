@@ -160,10 +160,8 @@ def _mistakes(run: Run) -> list[tuple[str, torch.Tensor]]:
          "sequence-level mean: first take each completion's mean over its tokens, "
          "(per_token * mask).sum(1) / mask.sum(1), then divide their sum by the step's "
          "completions.", tokens),
-        ("only the last micro-batch's gradient is left: do not zero the gradients (or set "
-         ".grad = None) inside your loop.", sum(r[-1] for r in G) / S),
-        ("you multiplied by the world size and also summed the gradients yourself: DDP already "
-         "averages them in backward(); do not all_reduce the gradients.", total / S * N),
+        (common.ZEROED_INSIDE, sum(r[-1] for r in G) / S),
+        (common.SUMMED_TOO, total / S * N),
     ]
 
 
@@ -176,15 +174,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _no_gradient(run: Run) -> str | None:
-    rank, missing = run.first("missing")
-    if missing:
-        return (f"on rank {rank}, `{missing[0]}` has no gradient after {run.name}: call "
-                "backward() on each micro-batch's loss.")
-
-
-_parameters_touched = common.left_alone(
-    "params", "compute the gradients only; the caller's optimizer takes the step.")
 _micro_batches_touched = common.left_alone(
     "micro_batches", "leave the micro-batches as they are (a copy, if you must).")
 
@@ -219,12 +208,6 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, what: str) -> s
             "size." + guess + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
 
 
-def _ranks_differ(run: Run) -> str | None:
-    if any(not torch.equal(o["grad"], run.out["grad"]) for o in run.outs):
-        return ("the ranks ended with different gradients: let DDP average them (in the last "
-                "micro-batch's backward), and do not change one rank's .grad afterwards.")
-
-
 def _count_carried(run: Run, out: dict) -> str | None:
     """What a rank's collectives delivered of the counts no rank knows alone."""
     got = evidence.delivered(out["calls"])
@@ -243,17 +226,11 @@ def _count_not_carried(run: Run) -> str | None:
                     "rank's count. Exchange the count with dist.all_reduce, not another way.")
 
 
-def _synced_every_micro_batch(run: Run) -> str | None:
-    k, ddp = len(run.out["facts"]["c"]), run.out["counts"].get("ddp_bucket_allreduce", 0)
-    if ddp > 1:
-        return (f"DDP all-reduced the gradients in {ddp} backward passes: run every micro-batch "
-                "but the last inside `with model.no_sync():`, so that DDP communicates once per "
-                f"step instead of {k} times (notebook 03's accumulation pitfall).")
-
+_synced_every_micro_batch = common.synced_once(lambda run: len(run.out["facts"]["c"]))
 
 #: In order: a wrong gradient after changed inputs is told as the changed inputs.
-DIAGNOSES = (_no_gradient, _parameters_touched, _micro_batches_touched, _wrong_gradient,
-             _ranks_differ, _count_not_carried, _synced_every_micro_batch)
+DIAGNOSES = (common.no_gradient, common.parameters_left_alone, _micro_batches_touched,
+             _wrong_gradient, common.ranks_differ, _count_not_carried, _synced_every_micro_batch)
 
 
 def _verified(runs: Sequence[Run]) -> str:

@@ -169,11 +169,9 @@ def _mistakes(run: Run) -> list[tuple[str, torch.Tensor]]:
         (f"each micro-batch's own mean, added up: {_ONE_COUNT}.", per_micro),
         (_PER_K, per_k), (_PER_K + _TIMES_N, per_k / N),
         (_PADDING, total / M), (_PADDING + _TIMES_N, total / M / N),
-        ("only the last micro-batch's gradient is left: do not zero the gradients (or set "
-         ".grad = None) inside your loop.", sum(r[-1] for r in S) / T),
+        (common.ZEROED_INSIDE, sum(r[-1] for r in S) / T),
         (_NO_DIVISION, total), (_NO_DIVISION + _TIMES_N, total / N),
-        ("you multiplied by the world size and also summed the gradients yourself: DDP already "
-         "averages them in backward(); do not all_reduce the gradients.", total / T * N),
+        (common.SUMMED_TOO, total / T * N),
     ]
 
 
@@ -186,15 +184,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _no_gradient(run: Run) -> str | None:
-    rank, missing = run.first("missing")
-    if missing:
-        return (f"on rank {rank}, `{missing[0]}` has no gradient after {run.name}: call "
-                "backward() on each micro-batch's loss.")
-
-
-_parameters_touched = common.left_alone(
-    "params", "compute the gradients only; the caller's optimizer takes the step.")
 _micro_batches_touched = common.left_alone(
     "micro_batches", "leave the inputs and targets as they are (a copy, if you must).")
 
@@ -227,12 +216,6 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str 
             f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
             "sum? / the global count × the world size." + guess
             + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
-
-
-def _ranks_differ(run: Run) -> str | None:
-    if any(not torch.equal(o["grad"], run.out["grad"]) for o in run.outs):
-        return ("the ranks ended with different gradients: let DDP average them (in the last "
-                "micro-batch's backward), and do not change one rank's .grad afterwards.")
 
 
 def _wrong_loss(run: Run) -> str | None:
@@ -284,17 +267,12 @@ def _count_not_carried(run: Run) -> str | None:
                     "way.")
 
 
-def _synced_every_micro_batch(run: Run) -> str | None:
-    k, ddp = len(run.out["facts"]["n"]), run.out["counts"].get("ddp_bucket_allreduce", 0)
-    if ddp > 1:
-        return (f"DDP all-reduced the gradients in {ddp} backward passes: run every micro-batch "
-                "but the last inside `with model.no_sync():`, so that DDP communicates once per "
-                f"step instead of {k} times (notebook 03's accumulation pitfall).")
-
+_synced_every_micro_batch = common.synced_once(lambda run: len(run.out["facts"]["n"]))
 
 #: In order: a wrong gradient after changed inputs is told as the changed inputs.
-DIAGNOSES = (_no_gradient, _parameters_touched, _micro_batches_touched, _wrong_gradient,
-             _ranks_differ, _wrong_loss, _count_not_carried, _synced_every_micro_batch)
+DIAGNOSES = (common.no_gradient, common.parameters_left_alone, _micro_batches_touched,
+             _wrong_gradient, common.ranks_differ, _wrong_loss, _count_not_carried,
+             _synced_every_micro_batch)
 
 
 def _verified(runs: Sequence[Run]) -> str:
