@@ -118,9 +118,9 @@ def main():
             for p, q in zip(ddp.parameters(), reference.parameters(), strict=True):
                 expected = q.grad / (len(mine) if divide_by_k_again else 1)
                 torch.testing.assert_close(p.grad, expected)
-        if rank == 0:
-            print(f"{mode}: the gradient of one process on all {len(mask)} completions; "
-                  f"divided by K again: 1/{len(mine)} of it")
+    print(f"rank {rank}: token-mean, seq-mean-token-mean and seq-mean-token-sum-norm each give "
+          f"the gradient of one process on all {len(mask)} completions; divided by K again, "
+          f"1/{len(mine)} of it")
     dist.destroy_process_group()
 
 
