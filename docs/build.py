@@ -8,11 +8,12 @@ Nothing is executed: the pages show the outputs committed in ``notebooks/NN_*.ip
 renders them (MyST-NB reads the notebooks, the Sphinx Book Theme gives navigation and search,
 ``docs/conf.py`` configures both), from sources staged in ``build/site/src/``:
 
-* the landing page (``index.md``) is the README's opening, "The question, answered", its
-  glossary (a Sphinx glossary, so each term is a link target) and "The notebooks"; the README's
-  other sections make the second page (``reference.md``), so every README anchor has a page;
-* each guide the README links to, ``docs/*.md`` (the launcher, clusters), a page of its own at
-  the same path, so that links between them work on GitHub and on the site alike;
+* the landing page (``index.md``) is the README's opening, "The question, answered", its Glossary
+  section with ``docs/glossary.md``'s terms (a Sphinx glossary, so each term is a link target) and
+  "The notebooks"; the README's other sections make the second page (``reference.md``), so every
+  README anchor has a page;
+* each guide the README links to, ``docs/*.md`` but the glossary (the launcher, clusters), a page of
+  its own at the same path, so that links between them work on GitHub and on the site alike;
 * one page per notebook, every ``notebooks/NN_*.ipynb`` there is, in order, each with a "Run this
   notebook" box under its title: the README's quickstart commands, and the notebook's Colab
   badge once ``colab.py`` has given it one (until then, no badge);
@@ -47,6 +48,9 @@ DOCS = Path(__file__).resolve().parent
 IMAGE_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif"}
 #: README sections (by how their heading starts) that the landing page shows, in this order.
 LANDING = ("The question", "Glossary", "The notebooks")
+#: The glossary's own page: the README's Glossary section points to it; the site shows its terms
+#: in that section of the landing page.
+GLOSSARY = "docs/glossary.md"
 COLAB_BADGE_SVG = "https://colab.research.google.com/assets/colab-badge.svg"
 LOCAL_BADGE = "_static/colab-badge.svg"
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](TARGET), as colab.py
@@ -124,11 +128,15 @@ def read_course(root: Path = REPO) -> Course:
     notebooks = {p.name[:2]: p for p in paths("ipynb", root)}
     if not notebooks:
         raise SiteError(f"no notebooks/NN_*.ipynb under {root}")
-    guides = [f"docs/{p.name}" for p in sorted((root / "docs").glob("*.md"))]
+    guides = [f"docs/{p.name}" for p in sorted((root / "docs").glob("*.md"))
+              if f"docs/{p.name}" != GLOSSARY]  # its terms are on the landing page
     course = Course(root, opening, sections, notebooks, guides)
-    course.glossary = glossary_items(_section(course, "Glossary").text)
+    _section(course, "Glossary")  # the README's pointer to the glossary must be there
+    glossary = root / GLOSSARY
+    course.glossary = glossary_items(glossary.read_text(encoding="utf-8")
+                                     if glossary.exists() else "")
     if not course.glossary:
-        raise SiteError("README's Glossary has no '- **term**: definition' items")
+        raise SiteError(f"{GLOSSARY} has no '- **term**: definition' items")
     for section in [opening, *sections]:
         page = "index" if _on_landing(section) else "reference"
         for heading in re.findall(r"^#{1,6} (.+)$", _without_code(section.text), re.M):
@@ -294,8 +302,11 @@ def landing_page(course: Course) -> tuple[str, set[str]]:
 
 
 def _glossary(course: Course, section: Section, linker: Linker) -> str:
-    """The README's glossary as a Sphinx glossary: each term a target of {term} links."""
-    lines = GLOSSARY_ITEM.sub("", section.text).splitlines()
+    """The README's Glossary heading, then the glossary page's words as a Sphinx glossary: each
+    term a target of {term} links."""
+    page = (course.root / GLOSSARY).read_text(encoding="utf-8")
+    intro = GLOSSARY_ITEM.sub("", page.split("\n", 1)[1])  # without its "# Glossary" title
+    lines = [section.text.splitlines()[0], *linker.markdown(intro).splitlines()]
     entries = []
     for term, definition in course.glossary.items():
         entries.append(f"{term}\n  {linker.markdown(definition, terms=False)}\n")

@@ -413,8 +413,8 @@ for spelling in ("verl#5625", "padded width"):
 print(f"ms-swift#10117: 1 / K = {1 / K}; verl#5798: 1 / N² = {1 / N**2}")
 
 # %% [markdown]
-# The first two are exact factors: 1 / K and 1 / N². With Adam, a constant factor barely changes
-# the step, so the loss curve hides it. The logged gradient norm shows it. The last two are not
+# The first two are exact factors: 1 / K and 1 / N². With AdamW, a constant factor barely changes
+# the step, while the gradient norm shows it (notebook 10 measures both). The last two are not
 # factors: each micro-batch weighs differently, so the step trains on another objective. Every
 # fix is the same formula, the weights with the step's counts (section 1's line of the same mode
 # and layout).
