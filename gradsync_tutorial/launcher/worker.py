@@ -167,7 +167,9 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
 
     counter = CollectiveCounter()
     before = set(sys.modules)
-    threads_before = {t.ident for t in threading.enumerate()}
+    # The Thread objects, not their idents: a thread that ends during the job frees its
+    # ident, and the next thread fn starts often gets it again.
+    threads_before = set(threading.enumerate())
     try:
         _fresh_state.start_job(job)  # the environment, sys.path, torch's modes... as fresh
         for filename, lines in job.sources.items():  # notebook cells: tracebacks show the line
@@ -224,7 +226,7 @@ def _wait_for_threads(before: set, channel: _Channel | None) -> None:
     """
     me = threading.current_thread()
     while True:
-        running = [t for t in threading.enumerate() if t.ident not in before and t is not me
+        running = [t for t in threading.enumerate() if t not in before and t is not me
                    and not t.daemon and t.is_alive() and not _idle_pool_thread(t)]
         if not running:
             break

@@ -142,6 +142,38 @@ def test_a_thread_fn_left_running_finishes_before_the_launch_returns(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
+def _start_a_short_daemon(rank, world_size):
+    import threading
+    import time
+
+    thread = threading.Thread(target=time.sleep, args=(1.0,), daemon=True)
+    thread.start()  # still alive when the next job starts; it ends during that job
+    return thread.ident
+
+
+def _save_in_a_thread_after_the_daemon_ended(rank, world_size, folder):
+    import threading
+    import time
+
+    time.sleep(1.5)  # the daemon has ended: its ident is free again
+
+    def save():
+        time.sleep(0.5)
+        (folder / f"rank{rank}").write_text("saved")
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    return thread.ident
+
+
+def test_a_thread_that_reuses_an_ended_thread_s_ident_is_still_waited_for(tmp_path):
+    gst.launch(_start_a_short_daemon, 2)
+    gst.launch(_save_in_a_thread_after_the_daemon_ended, 2, args=(tmp_path,))
+    # The launch returned: both saves are written, even where the OS gave the thread an ident
+    # that a thread alive at the job's start had (usual on Linux: the same stack, reused).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
 def test_work_queued_on_an_executor_finishes_and_an_idle_one_does_not_hold_the_launch(tmp_path):
     def fn(rank, world_size, folder):
         import builtins
