@@ -39,9 +39,9 @@ def nothing(rank: int, world_size: int) -> None:
 def floor() -> float:
     """Two launches of nothing, as a check makes them: one on warm workers, one on fresh."""
     start = time.perf_counter()
-    for n in sorted(common.WORLD_SIZES, key=lambda n: n not in common._last_launched):
+    for n in common.warm_first(common.WORLD_SIZES):
         gst.launch(nothing, n, backend="gloo")
-        common._last_launched[:] = [n]
+        common.note_launched(n)
     return time.perf_counter() - start
 
 

@@ -23,9 +23,9 @@ For the replicas themselves (are the parameters equal on every rank?) use
     >>> sample_overlap([order, order]).shared                  # every rank reads everything
     8
 
-Introduced in ``notebooks/04_pitfalls.ipynb``. (At about 430 lines the largest lesson module: the
-detectors are one idea, notebook 04's, and :class:`CollectiveCounter` is also what the launcher
-counts a job's collectives with, for its hang report.)
+Introduced in ``notebooks/04_pitfalls.ipynb``. The detectors are one idea, notebook 04's;
+:class:`CollectiveCounter` is also what the launcher counts a job's collectives with, for its
+hang report.
 """
 
 from __future__ import annotations
@@ -312,6 +312,7 @@ class CollectiveCounter:
     def _wrap(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def counted(*args, **kwargs):
+            __tracebackhide__ = True  # a rank's traceback shows the reader's call, not this
             with self._inside() as outer:
                 if outer:
                     self.calls[name] += 1

@@ -48,6 +48,9 @@ from pathlib import Path
 
 from ._wording import duration, plural
 from .device import gpu_count, local_device
+from .launcher.preflight import (
+    cpu_count,  # the cores this process may use, as the launch counts them
+)
 
 __all__ = [
     "REFERENCE_EPOCH_SECONDS",
@@ -185,7 +188,7 @@ def check_devices() -> Check:
 
     gpus = gpu_count()
     if not gpus:
-        cores = os.cpu_count() or 1
+        cores = cpu_count()
         return Check("devices", "info", f"no CUDA GPU: the notebooks run on the CPU ({cores} "
                      "cores), one process per rank, over gloo")
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
@@ -386,7 +389,7 @@ def _busy() -> str:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):  # Windows has no load average
         return ""
-    cores = os.cpu_count() or 1
+    cores = cpu_count()
     if load <= cores:
         return ""
     return f"the machine is busy (load average {load:.1f} on {cores} cores)"

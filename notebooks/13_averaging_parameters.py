@@ -581,7 +581,7 @@ assert torch.allclose(shrunk, theta0 * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13
 # def average_pseudo_gradient(model, start, participating):
 #     """(start - weights now), averaged over the replicas that take part: the same list on every
 #     rank. A healing replica (participating=False) sends zeros and receives the average."""
-#     count = torch.tensor([float(participating)], device=start[0].device)
+#     count = torch.tensor([float(participating)], dtype=start[0].dtype, device=start[0].device)
 #     dist.all_reduce(count)                     # how many replicas take part in this round
 #     if count.item() == 0:
 #         raise RuntimeError("no replica takes part in this round: skip the outer step")

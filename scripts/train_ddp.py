@@ -231,7 +231,10 @@ def load_checkpoint(path: str, model, optimizer, device: torch.device) -> int:
             torch.cuda.set_rng_state(rng["cuda"], device)
     except (RuntimeError, TypeError, KeyError) as e:
         raise BadCheckpoint(path, f"its generator states are damaged ({_first_line(e)})") from None
-    return checkpoint["epochs_done"]
+    done = checkpoint["epochs_done"]
+    if type(done) is not int or done < 0:  # range(done, epochs) needs a count (a bool is not)
+        raise BadCheckpoint(path, f"its 'epochs_done' is {done!r}, not a number of epochs")
+    return done
 
 
 def train(args: argparse.Namespace) -> dict:

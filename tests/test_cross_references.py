@@ -42,14 +42,6 @@ def _text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _seconds(duration: str) -> int:
-    """"2 min 10 s (mostly the benchmark)" -> 130; "40 s" -> 40."""
-    m = re.match(r"\s*(?:(\d+) min)?\s*(?:(\d+) s)?", duration)
-    if not m or not any(m.groups()):
-        raise ValueError(f"not a run time: {duration!r}")
-    return int(m.group(1) or 0) * 60 + int(m.group(2) or 0)
-
-
 def test_there_are_notebooks_to_check():
     assert len(NOTEBOOKS) >= 7 and NOTEBOOKS[0].startswith("00_")
 

@@ -209,7 +209,7 @@ def test_epoch_timing_and_the_notebook_estimates(monkeypatch):
     assert "extrapolated to 235" in epoch.detail
 
     monkeypatch.setattr(doctor.os, "getloadavg", lambda: (9.5, 9.0, 9.0), raising=False)
-    monkeypatch.setattr(doctor.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(doctor, "cpu_count", lambda: 4)
     busy = doctor.measure_epoch(steps=1)
     assert "; the machine is busy (load average 9.5 on 4 cores), so this is pessimistic" in (
         busy.detail)

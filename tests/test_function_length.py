@@ -17,9 +17,9 @@ MAX_LINES = 60
 #: "module.py:function" -> why it may be longer than MAX_LINES. (The exercise checks are a
 #: table of short diagnoses each, in exercises/: none needs an entry.)
 ALLOWED = {
-    "launcher/run.py:launch": "its docstring (about 40 lines) is the API reference; the body, "
-                              "about 50, is the story of a launch top to bottom, each step one "
-                              "call into launcher/pool.py",
+    "launcher/run.py:launch": "its docstring is the API reference; the body, under MAX_LINES "
+                              "(checked below), is the story of a launch top to bottom, each "
+                              "step one call into launcher/pool.py",
 }
 
 
@@ -48,3 +48,16 @@ def test_the_allow_list_names_only_long_functions():
     stale = [k for k in ALLOWED if lengths.get(k, 0) <= MAX_LINES]
     assert not stale, f"no longer over {MAX_LINES} lines (or gone): remove {stale} from ALLOWED"
     assert all(reason.strip() for reason in ALLOWED.values())
+
+
+def test_an_allowed_function_s_body_without_its_docstring_is_under_the_limit():
+    """ALLOWED excuses a docstring, never a long body: each reason above says so."""
+    for key in ALLOWED:
+        module, name = key.split(":")
+        tree = ast.parse((PACKAGE / module).read_text())
+        node = next(n for n in ast.walk(tree)
+                    if isinstance(n, ast.FunctionDef) and n.name == name)
+        has_doc = ast.get_docstring(node) is not None
+        first = node.body[1 if has_doc else 0]
+        body = node.end_lineno - first.lineno + 1
+        assert body < MAX_LINES, f"{key}: its body is {body} lines; split it"

@@ -341,3 +341,28 @@ def test_flat_averager_leaves_unused_parameters_alone_and_can_sum_in_float32():
                                        strict=True):
             assert got.dtype == torch.bfloat16
             assert torch.equal(got, ((mine_0.float() + mine_1.float()) / 2).bfloat16())
+
+
+def _pseudo_gradient_in_bf16(rank, world_size, snippet):
+    from torch import nn
+
+    module = _module(Path(snippet))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    start = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.125 * (rank + 1))  # a local round moved the weights
+    moved = [s - p.detach() for s, p in zip(start, model.parameters(), strict=True)]
+    return module.average_pseudo_gradient(model, start, participating=True), moved
+
+
+def test_the_pseudo_gradient_keeps_the_model_s_dtype():
+    """A bfloat16 pseudo-gradient comes back bfloat16 (the participant count is made in the
+    weights' dtype: a float32 count would promote it), equal to the participants' mean."""
+    snippet = next((REPO / "snippets").glob("13_*.py"))
+    (averaged, moved_0), (_, moved_1) = gst.launch(_pseudo_gradient_in_bf16, 2,
+                                                   args=(str(snippet),))
+    for got, a, b in zip(averaged, moved_0, moved_1, strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, (a + b) / 2)  # the sum rounded once in bf16, then ÷ 2 (exact)

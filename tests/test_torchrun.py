@@ -432,6 +432,8 @@ def _bad_checkpoints(folder: Path, good: Path) -> dict[str, tuple[Path, str]]:
         "another model": ({**load(good), "model": torch.nn.Linear(20, 3).state_dict()},
                           "it was saved for another model (Error(s) in loading state_dict for "
                           "Net: Missing key(s)"),
+        "a string epoch count": ({**load(good), "epochs_done": "2"},
+                                 "its 'epochs_done' is '2', not a number of epochs"),
     }
     for name, (content, say) in foreign.items():
         made[name] = folder / f"{name.replace(' ', '_')}.pt", say
@@ -454,7 +456,7 @@ def _load_on_a_rank(rank, world_size, script, path):
 
 
 BAD_CHECKPOINTS = ["empty", "truncated", "corrupt", "another program's", "another layout",
-                   "another model"]
+                   "another model", "a string epoch count"]
 
 
 @pytest.mark.parametrize("case", BAD_CHECKPOINTS)

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from gradsync_tutorial import notebooks
+
 REPO = Path(__file__).resolve().parent.parent
 SITE = REPO / "build" / "site" / "html"
 IMAGES = REPO / "images"
@@ -55,7 +57,7 @@ LAB_SETTINGS = {  # no pop-ups over the notebook, no requests to the internet
 
 def notebook_tagged(tag_start: str, root: Path = REPO) -> tuple[Path, str]:
     """The first notebook with a cell whose tag starts with ``tag_start``, and that tag."""
-    for notebook in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for notebook in notebooks.paths("ipynb", root):
         for cell in json.loads(notebook.read_text())["cells"]:
             for tag in cell.get("metadata", {}).get("tags", []):
                 if tag.startswith(tag_start):
@@ -66,7 +68,7 @@ def notebook_tagged(tag_start: str, root: Path = REPO) -> tuple[Path, str]:
 def _titles(root: Path) -> bytes:
     """Every notebook's first line (its title): the site's navigation shows them."""
     titles = []
-    for notebook in sorted((root / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for notebook in notebooks.paths("ipynb", root):
         first = json.loads(notebook.read_text())["cells"][0]["source"]
         titles.append(("".join(first) if isinstance(first, list) else first).split("\n")[0])
     return "\n".join(titles).encode()

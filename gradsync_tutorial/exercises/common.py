@@ -60,7 +60,7 @@ import os
 import random
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,6 +348,16 @@ def sizes_text(runs: Sequence[Run]) -> str:
 _last_launched: list[int] = []
 
 
+def warm_first(world_sizes: Iterable[int]) -> list[int]:
+    """``world_sizes`` with the one the last check launched at first: its workers are idle."""
+    return sorted(world_sizes, key=lambda n: n not in _last_launched)
+
+
+def note_launched(world_size: int) -> None:
+    """A launch of ``world_size`` ranks ended: its workers are the idle pool now."""
+    _last_launched[:] = [world_size]
+
+
 def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], timeout: float,
              diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str], *,
              label: Callable[[int], str] = "on {} ranks".format) -> str:
@@ -371,7 +381,7 @@ def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], ti
     def run_at(n: int) -> Run:
         if n not in runs:
             runs[n] = Run(name_of(fn), n, run_on_ranks(worker, fn, n, timeout), label(n))
-            _last_launched[:] = [n]
+            note_launched(n)
         return runs[n]
 
     warm = [n for n in order if n in _last_launched]

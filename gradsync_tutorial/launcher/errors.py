@@ -17,6 +17,7 @@ import re
 import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .._wording import ranks as _ranks
 from ..device import gpu_count
@@ -24,6 +25,9 @@ from .hang_report import HANG_HINT, SLOW_HINT
 
 __all__ = ["HANG_HINT", "Failure", "LaunchError", "LaunchTimeoutError", "RankFailedError"]
 
+
+#: How a rank failed: see :class:`Failure`.
+FailureKind = Literal["raised", "exited", "killed", "result", "timeout"]
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Failure:
     """
 
     rank: int
-    kind: str
+    kind: FailureKind
     exc_type: str = ""
     message: str = ""
     traceback: str = ""
@@ -233,6 +237,12 @@ _HINTS = (
      "\nThe rank ran out of file descriptors: it may hold open as many as `ulimit -n` allows. "
      "Close what fn opens (`with open(...)`), or raise the limit before starting Jupyter "
      "(`ulimit -n 4096`); a resource.setrlimit in fn lowers it for that rank."),
+    (r"PREMUL_SUM with Gloo",
+     "\ngloo has no ReduceOp.PREMUL_SUM (nccl has it). FSDP2 sends it when a gradient divide "
+     "factor is set (set_gradient_divide_factor, torchtitan's gradient_divide_factor): on gloo, "
+     "also call set_force_sum_reduction_for_comms(True) on every FSDPModule, so that FSDP2 sums "
+     "and divides by the factor itself (notebook 08). Code of your own: all_reduce with "
+     "ReduceOp.SUM, then multiply by the factor."),
     (r"device_id parameter must be an accelerator",
      "\ntorch refuses device_id=torch.device('cpu') under torchrun too: pass device_id only "
      "with a GPU per rank (device_id=gst.local_device() when it is a CUDA device), or leave "

@@ -19,6 +19,10 @@ puts back:
   every logger's level and handlers, a library's included: ``basicConfig`` inside ``fn``
   works every time; ``logging.captureWarnings``);
 * file descriptors 1 and 2 (a job's ``os.close(1)``);
+* the process's settings that its children inherit: the umask, the soft and hard resource
+  limits (a job's lowered open-file limit), the CPU affinity and the niceness. One that
+  cannot be raised back (an unprivileged process's lowered hard limit or raised niceness)
+  retires the worker (:func:`retire_reasons`);
 * the ``atexit`` handlers the job's own code registered (``atexit.register(log.close)``): run
   when the job ends, after its threads, the last registered first, as an interpreter's exit
   runs them (:func:`run_exit_handlers`), then forgotten, so they neither pile up nor run
@@ -74,6 +78,7 @@ def start_job(job: Job) -> None:
     _once_called.clear()
     _exit_handlers.clear()
     put_back_descriptors()
+    put_back_process_settings()
     # Undo a previous job's swap (or close) of the streams.
     sys.stdout, sys.stderr = original_stream("stdout"), original_stream("stderr")
     os.environ.clear()  # exactly the notebook's environment, plus torchrun's variables
@@ -107,6 +112,7 @@ def remember() -> None:
     _watch_once_per_process()  # before the snapshot: the watcher is what jobs find
     _watch_exit_handlers()
     put_back_descriptors()  # the first call copies them
+    _fresh["process"] = _process_settings()
     _fresh["sys.path"] = list(sys.path)
     _fresh["sys.argv"] = list(sys.argv)
     _fresh["classes"] = {cls: dict(vars(cls)) for cls in _patchable_classes()}
@@ -396,10 +402,76 @@ def _watch_once_per_process() -> None:
     torch.set_num_interop_threads = set_num_interop_threads
 
 
+# -- the process's settings that its children inherit ------------------------------------------
+
+
+def _resource_limits() -> dict[str, tuple[int, int]]:
+    """Every resource limit this platform has, by name (``RLIMIT_NOFILE``...); {} without."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return {}
+    limits = {}
+    for name in dir(resource):
+        if name.startswith("RLIMIT_"):
+            with contextlib.suppress(OSError, ValueError):
+                limits[name] = resource.getrlimit(getattr(resource, name))
+    return limits
+
+
+def _process_settings() -> dict:
+    """The umask, resource limits, CPU affinity and niceness, as they are now."""
+    umask = os.umask(0o022)
+    os.umask(umask)  # reading the umask sets it: put it back
+    settings = {"umask": umask, "limits": _resource_limits()}
+    if hasattr(os, "sched_getaffinity"):
+        settings["affinity"] = os.sched_getaffinity(0)
+    if hasattr(os, "getpriority"):
+        settings["niceness"] = os.getpriority(os.PRIO_PROCESS, 0)
+    return settings
+
+
+def put_back_process_settings() -> None:
+    """Put back the umask, limits, affinity and niceness :func:`remember` found (those a
+    job changed); what cannot be put back is left, and :func:`retire_reasons` says it."""
+    fresh = _fresh["process"]
+    os.umask(fresh["umask"])
+    if fresh["limits"]:
+        import resource
+
+        for name, limit in fresh["limits"].items():
+            if resource.getrlimit(getattr(resource, name)) != limit:
+                with contextlib.suppress(OSError, ValueError):  # a lowered hard limit
+                    resource.setrlimit(getattr(resource, name), limit)
+    if "affinity" in fresh and os.sched_getaffinity(0) != fresh["affinity"]:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, fresh["affinity"])
+    if "niceness" in fresh and os.getpriority(os.PRIO_PROCESS, 0) != fresh["niceness"]:
+        with contextlib.suppress(OSError):  # an unprivileged process cannot lower it
+            os.setpriority(os.PRIO_PROCESS, 0, fresh["niceness"])
+
+
+def _settings_left() -> list[str]:
+    """The settings of :func:`_process_settings` that this job changed and that cannot be put
+    back, in words; a try, so the next job (or nothing) finds them as they were."""
+    put_back_process_settings()
+    now, fresh = _process_settings(), _fresh["process"]
+    left = [f"lowered {name}" for name, limit in fresh["limits"].items()
+            if now["limits"].get(name) != limit]
+    if now.get("niceness") != fresh.get("niceness"):
+        left.append("raised its niceness")
+    if now.get("affinity") != fresh.get("affinity"):
+        left.append("narrowed its CPU affinity")
+    return left
+
+
 def retire_reasons() -> tuple[str, ...]:
     """Why this worker cannot run another job as a fresh interpreter would, in words for the
     launch's note ("fn called torch.set_num_interop_threads, which ..."); () if it can."""
     reasons = []
+    left = _settings_left()
+    if left:
+        reasons.append(f"fn {' and '.join(left)}, which this process cannot undo")
     if _once_called:
         reasons.append("fn called torch.set_num_interop_threads, which a process can call only "
                        "once")

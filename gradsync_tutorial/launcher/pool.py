@@ -12,8 +12,7 @@ failure :meth:`~Workers.stop_after_failure` or :meth:`~Workers.where_each_rank_i
 step waits through one loop, :meth:`Workers.pump`, so output keeps flowing while it waits;
 results are judged apart from output, so a rank that printed a lot is not taken for a rank still
 running. The state sits beside the pump that feeds it: split into a module of its own, every
-step of a launch went back and forth between the two (so this module is the launcher's largest,
-~400 lines).
+step of a launch went back and forth between the two.
 
 Nothing here ever blocks on a pipe: a rank's child can inherit the rank's stdout and keep it
 open after the rank is gone, so each reader thread owns its pipe and closes it at end of file,
@@ -40,11 +39,13 @@ from multiprocessing.connection import Connection
 from . import hang_report, spawner, template
 from .cells import file_label, with_cell_labels
 from .errors import Failure, RankFailedError, exit_failure, rank_failed_error
+from .preflight import DESCRIPTOR_ADVICE
 from .process_tree import popen_kwargs, stop_trees
 from .protocol import (
     CONTROL_ENV,
     END_MARK,
     END_MARK_ENV,
+    PARENT_ENV,
     TOKEN_ENV,
     WORKER_MODULE,
     Finished,
@@ -195,13 +196,18 @@ class _ReturnedRankWatch:
         return self.certain
 
 
-def require_spare_descriptors(n: int) -> None:
-    """Raise EMFILE now, not after a wait, unless ``n`` more descriptors can be opened here."""
+def require_spare_descriptors(n: int, world_size: int) -> None:
+    """Fail now, not after a wait, unless ``n`` more descriptors can be opened here: with
+    :func:`out_of_descriptors`' advice for a launch of ``world_size`` ranks."""
     taken: list[int] = []
     try:
         taken.append(os.open(os.devnull, os.O_RDONLY))
         for _ in range(n - 1):
             taken.append(os.dup(taken[0]))  # (a dup is cheaper than an open)
+    except OSError as e:
+        if e.errno == errno.EMFILE:
+            raise out_of_descriptors(world_size, e) from e
+        raise
     finally:
         for fd in taken:
             os.close(fd)
@@ -211,7 +217,7 @@ def out_of_descriptors(world_size: int, error: OSError) -> OSError:
     """The error of a start that ran out of file descriptors, in this process, with the hint."""
     return OSError(error.errno, f"could not start {world_size} worker processes: this process "
                    "ran out of file descriptors (each rank holds several open). Use a smaller "
-                   "world_size, or raise the limit (`ulimit -n`) before starting Jupyter.")
+                   f"world_size, or {DESCRIPTOR_ADVICE}.")
 
 
 #: Linux: fork each rank from a template that has imported torch (:mod:`.template`).
@@ -252,20 +258,24 @@ class Workers:
         # can never pass for one (nor break the reader by looking like one).
         self.marks = [f"{END_MARK} {secrets.token_hex(8)}" for _ in range(world_size)]
         try:
-            self._start_all()
+            try:
+                self._start_all()
+            except OSError as e:
+                if e.errno == errno.EMFILE:
+                    raise out_of_descriptors(world_size, e) from e
+                raise
             # The descriptors the start-up needs next (each rank's connection back, its link
             # to the store), taken now: without them the first rank to connect back, after
             # its seconds of importing torch, would find none.
-            require_spare_descriptors(2 * world_size)
-        except BaseException as e:  # an interrupt between two starts, or too many open files
+            require_spare_descriptors(2 * world_size, world_size)
+        except BaseException:  # an interrupt between two starts, or too many open files
             self.stop_despite_interrupts()  # never leave the ranks already started running
-            if isinstance(e, OSError) and e.errno == errno.EMFILE:
-                raise out_of_descriptors(world_size, e) from e
             raise
 
     def _start_all(self) -> None:
         host, port = self.server.getsockname()[:2]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{CONTROL_ENV: f"{host}:{port}"})
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   **{CONTROL_ENV: f"{host}:{port}", PARENT_ENV: str(os.getpid())})
         if FORK_FROM_TEMPLATE:
             template.start(env, os.getcwd(), range(self.world_size))
         for rank in range(self.world_size):

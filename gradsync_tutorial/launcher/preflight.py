@@ -23,6 +23,9 @@ from collections.abc import Iterable
 
 from .._wording import require_int
 
+#: What to do when this process has too few file descriptors for the ranks (said once).
+DESCRIPTOR_ADVICE = "raise the limit with `ulimit -n` before starting Jupyter"
+
 BACKENDS = ("auto", "gloo", "nccl")
 MAX_TIMEOUT = 1e9  # seconds (31 years): past it, datetime.timedelta overflows
 
@@ -66,8 +69,7 @@ def max_world_size() -> tuple[int, str]:
         spare = soft - _open_descriptors() - 32  # a margin for the notebook itself
         limits.append((max(1, spare // RANK_FILE_DESCRIPTORS),
                        f"each rank holds ~{RANK_FILE_DESCRIPTORS} file descriptors open in this "
-                       f"process and its limit is {soft} (raise it with `ulimit -n` before "
-                       "starting Jupyter)"))
+                       f"process and its limit is {soft} ({DESCRIPTOR_ADVICE})"))
     return min(limits, default=(sys.maxsize, ""))
 
 
@@ -111,6 +113,7 @@ def check_omp_num_threads(value: str) -> None:
 
 
 def check_call(fn, world_size, args, backend, timeout, num_threads, show_ranks, master_port):
+    _check_working_directory()
     require_int(world_size, "world_size", what="the number of ranks", hint="Try world_size=2.")
     limit, why = max_world_size()
     if world_size > limit:
@@ -200,3 +203,14 @@ def _how_to_launch(name: str, sig: inspect.Signature, n_args: int) -> str:
 def _takes_no_arguments(sig: inspect.Signature) -> bool:
     return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.KEYWORD_ONLY)
                for p in sig.parameters.values())
+
+
+def _check_working_directory() -> None:
+    """The ranks start in this process's working directory: it must still exist."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            "this process's working directory was removed (or moved), and the ranks start in "
+            "it. Change to a folder that exists, such as os.chdir(os.path.expanduser('~')) or "
+            "the notebook's own folder, then launch again.") from None

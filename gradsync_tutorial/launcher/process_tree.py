@@ -1,5 +1,4 @@
-"""Stopping a rank and every process below it, on each platform: the only code of the launcher
-that looks at the operating system.
+"""Stopping a rank and every process below it, on each platform.
 
 A rank starts in a process group of its own (a new session on POSIX, a new process group on
 Windows), so that Jupyter's stop button, an interrupt for the notebook's group, does not reach it:
@@ -149,3 +148,75 @@ def signal_tree(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
             os.kill(pid, sig)
         except OSError:
             pass
+
+
+# -- a rank's lifelines: it never outlives the launcher ------------------------------------
+
+_reaper_pipe: int | None = None  # the write end the reaper watches, held for this worker's life
+# The reaper: a shell that waits for end of file on its stdin, then kills its process group.
+REAPER = ("sh", "-c", "read _; kill -KILL 0")
+
+
+def start_reaper() -> None:
+    """POSIX: start a tiny process that kills this worker's process group once it is gone.
+
+    A rank's ``subprocess.Popen`` children stay in the rank's process group, but no
+    parent-death signal reaches them (Popen runs no at-fork hook): when the notebook is killed
+    and this worker dies with it, they would run on. The reaper (``sh``, a few hundred kB, in
+    the same group) reads a pipe only this process holds open; at end of file -- this worker
+    died, however -- it kills the whole group, itself included. Children that left the group (a
+    session of their own) are out of its reach; the launcher stops those when it can.
+    """
+    global _reaper_pipe
+    if os.name != "posix":
+        return
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.Popen(REAPER, stdin=read_end, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    except OSError:  # no sh: the launcher's own stopping still reaches the group
+        os.close(write_end)
+        return
+    finally:
+        os.close(read_end)
+    _reaper_pipe = write_end
+    if hasattr(os, "register_at_fork"):  # a fork of this worker must not keep the reaper waiting
+        os.register_at_fork(after_in_child=lambda: os.close(write_end))
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """Linux: be killed when the process that started this one dies (prctl PR_SET_PDEATHSIG).
+
+    A worker calls it for itself at start-up, and registers it for every process it forks
+    from Python (``multiprocessing`` with fork, ``os.fork``), so those never outlive the rank.
+    Other platforms have no such signal: there the socket to the launcher is the lifeline.
+    Linux sends it when the *thread* that started the worker ends: so the launcher starts its
+    processes from one long-lived thread (:mod:`.spawner`), and a launch from a thread that
+    then exits leaves the templates and the idle workers running.
+
+    ``parent`` is the pid that started this process, where known. A parent that died before
+    this call sends no signal: the process then kills itself as the signal would have.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - <linux/prctl.h>
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no libc to load (a static or unusual build)
+        return
+    if parent is not None and os.getppid() != parent:  # reparented: the parent is gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent_and_forks(parent: int | None = None) -> None:
+    """:func:`die_with_parent` for this process, and for every process it forks from Python."""
+    die_with_parent(parent)
+    if hasattr(os, "register_at_fork"):
+        forking = [os.getpid()]
+        os.register_at_fork(before=lambda: forking.__setitem__(0, os.getpid()),
+                            after_in_child=lambda: die_with_parent(forking[0]))

@@ -26,6 +26,7 @@ WORKER_MODULE = "gradsync_tutorial.launcher.worker"
 CONTROL_ENV = "GRADSYNC_CONTROL"  # host:port of the launcher's socket
 TOKEN_ENV = "GRADSYNC_TOKEN"  # the secret the worker proves itself with, hex
 END_MARK_ENV = "GRADSYNC_END_MARK"  # END_MARK with a secret of the worker's own appended
+PARENT_ENV = "GRADSYNC_PARENT"  # the pid that started the worker: gone already, it stops
 # The launcher's own variables for a worker (where to connect, its token): never passed on to
 # a job. Every other variable of the notebook's environment reaches the ranks (GRADSYNC_DATA...).
 PRIVATE_ENV = (CONTROL_ENV, TOKEN_ENV)

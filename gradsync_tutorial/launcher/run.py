@@ -75,7 +75,6 @@ double-forked) is out of reach everywhere.
 from __future__ import annotations
 
 import atexit
-import errno
 import os
 import socket
 import struct
@@ -100,6 +99,9 @@ __all__ = ["launch", "shutdown_workers"]
 STARTUP_SECONDS = 60.0
 # After fn returned everywhere: the ranks' process-group teardown gets this long of its own.
 TEARDOWN_SECONDS = 30.0
+# torch's own waits (the store's, a collective's) outlast the launch's timeout by this much,
+# so that the launcher's report, which names the ranks, comes first.
+RENDEZVOUS_MARGIN_SECONDS = 30.0
 # The ranks' output is printed until their end-of-job marks, as long as it keeps coming.
 OUTPUT_IDLE_SECONDS = 5.0
 
@@ -169,15 +171,7 @@ def launch(
     num_threads = num_threads or _omp_num_threads() or max(1, cpu_count() // world_size)
 
     # The rendezvous store, hosted here as torchrun's agent hosts it; port 0: the OS picks one.
-    # Its own waits outlast the launch's timeout, which the launcher reports first. Out of file
-    # descriptors, its client would retry that long: told at once instead.
-    try:
-        pool.require_spare_descriptors(8 + 2 * world_size)
-    except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        raise pool.out_of_descriptors(world_size, e) from e
-    store = _rendezvous_store(master_port, timeout + 30)
+    store = _rendezvous_store(master_port, timeout + RENDEZVOUS_MARGIN_SECONDS, world_size)
     run_id = uuid.uuid4().hex  # TORCHELASTIC_RUN_ID: one per launch, as one per torchrun
     try:
         workers = _take_workers(world_size, reuse_workers)
@@ -194,7 +188,7 @@ def launch(
         workers.run(state, [Job(
             state.job_id, payload, _job_env(rank, world_size, store.port, num_threads, run_id),
             os.getcwd(), list(sys.path), backend, device, num_threads,
-            collective_timeout=timeout + 30,  # our timeout reports it first
+            collective_timeout=timeout + RENDEZVOUS_MARGIN_SECONDS,  # ours reports it first
             sources=sources,
         ) for rank in range(world_size)], deadline)
         if not state.failures:
@@ -227,6 +221,13 @@ def launch(
     if state.failures:
         # from: the rank's exception, when it could be rebuilt
         raise shown_from_caller(error) from error.__cause__
+    return _ended_well(state, workers, world_size, reuse_workers)
+
+
+def _ended_well(state, workers, world_size: int, reuse_workers: bool) -> list[Any]:
+    """Every rank returned: say the job's notes, keep or retire the workers, and give back
+    the results (a result that cannot be rebuilt here is raised as the rank's error)."""
+    __tracebackhide__ = True
     for note, ranks in state.notes.items():  # once, whichever ranks it is about
         who = ("every rank" if len(ranks) == world_size
                else "rank " + ", ".join(map(str, sorted(ranks))))
@@ -324,8 +325,11 @@ def _stop_idle_pools() -> None:
 atexit.register(shutdown_workers)
 
 
-def _rendezvous_store(port: int | None, timeout: float):
+def _rendezvous_store(port: int | None, timeout: float, world_size: int):
     """The store every rank's ``env://`` rendezvous connects to, listening on 127.0.0.1 only.
+
+    Its waits last ``timeout``, past the launch's own, which the launcher reports first. Out of
+    file descriptors for ``world_size`` ranks, its client would retry that long: told at once.
 
     torch's ``TCPStore`` listens on every interface; here the launcher binds the socket itself
     to the loopback address and hands it over (``master_listen_fd``), so nothing outside this
@@ -336,6 +340,7 @@ def _rendezvous_store(port: int | None, timeout: float):
     """
     import torch.distributed as dist
 
+    pool.require_spare_descriptors(8 + 2 * world_size, world_size)
     kwargs = dict(is_master=True, wait_for_workers=False, timeout=_timedelta(timeout))
     if os.name != "posix":
         return _store_or_port_error(lambda: dist.TCPStore("127.0.0.1", port or 0, **kwargs),

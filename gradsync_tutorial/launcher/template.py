@@ -42,7 +42,7 @@ from typing import NoReturn
 
 from . import spawner
 from .process_tree import alive
-from .protocol import CONTROL_ENV, END_MARK_ENV, TOKEN_ENV, WORKER_MODULE
+from .protocol import CONTROL_ENV, END_MARK_ENV, PARENT_ENV, TOKEN_ENV, WORKER_MODULE
 
 TEMPLATE_MODULE = "gradsync_tutorial.launcher.template"
 SOCKET_ENV = "GRADSYNC_TEMPLATE_FD"  # the template's end of its socket to the launcher
@@ -291,10 +291,11 @@ def fork(env: dict[str, str], cwd: str, rank: int) -> Forked:
 
 
 def main() -> None:
-    from . import worker
+    from . import process_tree
 
     sock = socket.socket(fileno=int(os.environ.pop(SOCKET_ENV)))
-    worker._die_with_parent()  # never outlive the launcher (its long-lived starter thread)
+    parent = os.environ.pop(PARENT_ENV, "")  # never outlive the launcher (its starter thread)
+    process_tree.die_with_parent(int(parent) if parent.isdigit() else None)
     import cloudpickle  # noqa: F401 - what a worker imports before its first job
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -306,6 +307,7 @@ def main() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
     children: set[int] = set()
+    me = os.getpid()  # the forked ranks' parent: read before a fork, as it may die meanwhile
     serving = True
     while serving or children:
         ready, _, _ = select.select([sock, wake_r] if serving else [wake_r], [], [])
@@ -324,7 +326,8 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 os.close(in_session_r)
-                _become_worker(pickle.loads(data), fds, (sock, wake_r, wake_w), in_session_w)
+                env = dict(pickle.loads(data), **{PARENT_ENV: str(me)})
+                _become_worker(env, fds, (sock, wake_r, wake_w), in_session_w)
             os.close(in_session_w)
             os.read(in_session_r, 1)  # its own session first: the launcher signals that group
             os.close(in_session_r)

@@ -28,12 +28,9 @@ import linecache
 import os
 import pickle
 import queue
-import re
-import signal
 import socket
 import sys
 import threading
-import traceback
 import types
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -42,10 +39,13 @@ from gradsync_tutorial.launcher import cells as _cells
 from gradsync_tutorial.launcher import fresh_state as _fresh_state
 from gradsync_tutorial.launcher import hang_report as _where
 from gradsync_tutorial.launcher import own_group as _own_group
+from gradsync_tutorial.launcher import process_tree as _lifelines
+from gradsync_tutorial.launcher import rank_failure as _rank_failure
 from gradsync_tutorial.launcher.protocol import (
     CONTROL_ENV,
     END_MARK,
     END_MARK_ENV,
+    PARENT_ENV,
     TOKEN_ENV,
     Finished,
     Job,
@@ -363,62 +363,6 @@ def _importable(obj) -> bool:
     return target is obj
 
 
-_reaper_pipe: int | None = None  # the write end the reaper watches, held for this worker's life
-# The reaper: a shell that waits for end of file on its stdin, then kills its process group.
-REAPER = ("sh", "-c", "read _; kill -KILL 0")
-
-
-def _start_reaper() -> None:
-    """POSIX: start a tiny process that kills this worker's process group once it is gone.
-
-    A rank's ``subprocess.Popen`` children stay in the rank's process group, but no
-    parent-death signal reaches them (Popen runs no at-fork hook): when the notebook is killed
-    and this worker dies with it, they would run on. The reaper (``sh``, a few hundred kB, in
-    the same group) reads a pipe only this process holds open; at end of file -- this worker
-    died, however -- it kills the whole group, itself included. Children that left the group (a
-    session of their own) are out of its reach; the launcher stops those when it can.
-    """
-    global _reaper_pipe
-    if os.name != "posix":
-        return
-    import subprocess
-
-    read_end, write_end = os.pipe()
-    try:
-        subprocess.Popen(REAPER, stdin=read_end, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    except OSError:  # no sh: the launcher's own stopping still reaches the group
-        os.close(write_end)
-        return
-    finally:
-        os.close(read_end)
-    _reaper_pipe = write_end
-    if hasattr(os, "register_at_fork"):  # a fork of this worker must not keep the reaper waiting
-        os.register_at_fork(after_in_child=lambda: os.close(write_end))
-
-
-def _die_with_parent() -> None:
-    """Linux: be killed when the process that started this one dies (prctl PR_SET_PDEATHSIG).
-
-    The worker calls it for itself at start-up, and registers it for every process it forks
-    from Python (``multiprocessing`` with fork, ``os.fork``), so those never outlive the rank.
-    Other platforms have no such signal: there the socket to the launcher is the lifeline.
-    Linux sends it when the *thread* that started the worker ends: so the launcher starts its
-    processes from one long-lived thread (:mod:`.spawner`), and a launch from a thread that
-    then exits leaves the templates and the idle workers running.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1  # noqa: N806 - <linux/prctl.h>
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # no libc to load (a static or unusual build)
-        pass
-
-
 def _unwrap_ddp(result):
     """A DistributedDataParallel model cannot be rebuilt where there is no process group (the
     notebook): send the model it wraps, and say so."""
@@ -432,106 +376,8 @@ def _unwrap_ddp(result):
     return result.module
 
 
-# What gloo and nccl say when the other end of a connection went away.
-_LOST_PEER = re.compile(
-    r"connection (reset|closed) by peer|broken pipe|remote process exited|read error|"
-    r"connection refused|socket timeout|connection was likely closed|failed to recv",
-    re.IGNORECASE,
-)
-
-
-def _lost_peer(exc: BaseException, text: str) -> bool:
-    """Did torch.distributed raise this because a peer's connection closed?
-
-    Decided from the exception's class and where it was raised, not from its type's name:
-    a RuntimeError (gloo's and nccl's DistBackendError is one) raised inside torch.distributed
-    whose message describes a closed connection.
-    """
-    if not isinstance(exc, RuntimeError) or not _LOST_PEER.search(text):
-        return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(f"torch{os.sep}distributed{os.sep}" in f.filename for f in frames)
-
-
-def _safe_str(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception as e:  # noqa: BLE001 - a user's __str__ that raises
-        return f"<its __str__ raised {type(e).__name__}: {_safe_repr(e)}>"
-
-
-def _safe_repr(obj: object) -> str:
-    try:
-        return str(obj)
-    except Exception:  # noqa: BLE001
-        return "?"
-
-
-def _plumbing(frame: traceback.FrameSummary) -> bool:
-    """The launcher's wrappers around torch.distributed calls: not part of the reader's story."""
-    path = os.path.abspath(frame.filename)
-    return path == _OWN_GROUP or (path == _DETECT and frame.name == "counted")
-
-
-_OWN_GROUP = os.path.abspath(_own_group.__file__)
-_DETECT = os.path.join(os.path.dirname(os.path.dirname(_OWN_GROUP)), "detect.py")
-
-
-def _hide_plumbing(shown: traceback.TracebackException, depth: int = 0) -> None:
-    shown.stack = traceback.StackSummary.from_list(
-        [f for f in shown.stack if not _plumbing(f)])
-    for chained in (shown.__cause__, shown.__context__):
-        if chained is not None and depth < 10:
-            _hide_plumbing(chained, depth + 1)
-
-
 def _raised(job_id: int, exc: BaseException) -> Raised:
-    tb = exc.__traceback__
-    if tb is not None and tb.tb_frame.f_code is _run_job.__code__ and tb.tb_next is not None:
-        tb = tb.tb_next  # start the traceback at the user's code, not at this module
-    try:
-        shown = traceback.TracebackException(type(exc), exc, tb)
-        _hide_plumbing(shown)
-        text_tb = "".join(shown.format())
-    except Exception:  # noqa: BLE001 - a broken exception must not crash the worker
-        text_tb = "".join(traceback.format_tb(tb)) + f"{type(exc).__qualname__}\n"
-    text = _safe_str(exc)
-    exit_code = None
-    if isinstance(exc, SystemExit):  # sys.exit(3) exits 3; sys.exit("why") prints and exits 1
-        exit_code = exc.code if isinstance(exc.code, int) else 1
-        text = repr(exc.code) if isinstance(exc.code, str) else text
-    lost_peer = _lost_peer(exc, text[:MAX_MESSAGE_CHARS])
-    if len(text) > MAX_MESSAGE_CHARS or len(text_tb) > 2 * MAX_MESSAGE_CHARS:
-        # A cell cannot show millions of characters: keep both ends, and do not send the
-        # exception itself (the notebook would show its whole message again as the cause).
-        text, text_tb = _cut(text, MAX_MESSAGE_CHARS), _cut(text_tb, 2 * MAX_MESSAGE_CHARS)
-        pickled = None
-    else:
-        pickled = _picklable(exc)
-    return Raised(job_id, type(exc).__qualname__, text, text_tb, pickled,
-                  lost_peer=lost_peer, exit_code=exit_code)
-
-
-MAX_MESSAGE_CHARS = 20_000  # of an exception's message sent to the notebook (the traceback: 2x)
-
-
-def _cut(text: str, limit: int) -> str:
-    """``text`` within ``limit`` characters: its start and its end, and how much was cut."""
-    if len(text) <= limit:
-        return text
-    head, tail = text[: limit * 3 // 4], text[-(limit // 4):]
-    return f"{head} [... {len(text) - len(head) - len(tail):,} characters cut ...] {tail}"
-
-
-def _picklable(exc: BaseException) -> bytes | None:
-    try:
-        import cloudpickle
-
-        pickled = cloudpickle.dumps(exc)
-        pickle.loads(pickled)  # only send what the notebook can rebuild
-        return pickled
-    except Exception:  # noqa: BLE001 - the text alone is enough to report it
-        return None
+    return _rank_failure.raised(job_id, exc, runner=_run_job.__code__)
 
 
 def _connect() -> Connection:
@@ -559,10 +405,9 @@ class _Channel:
 
 def main() -> None:
     global _mark
-    _start_reaper()  # first: before threads and torch
-    _die_with_parent()
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_die_with_parent)
+    _lifelines.start_reaper()  # first: before threads and torch
+    parent = os.environ.pop(PARENT_ENV, "")
+    _lifelines.die_with_parent_and_forks(int(parent) if parent.isdigit() else None)
     _mark = os.environ.pop(END_MARK_ENV, END_MARK)
     import torch  # noqa: F401 - preload: by the time the first job arrives this is done
     import torch.distributed  # noqa: F401

@@ -96,7 +96,7 @@ def plan(gpus: int) -> list[Part]:
     nccl = [f"cuda:{r}" for r in range(ranks)]
     device = " ".join(nccl) if gpus else "cuda"
     parts = []
-    for snippet in sorted((REPO / "snippets").glob("[0-9][0-9]_*.py")):
+    for snippet in notebooks.paths("snippet", REPO):
         parts.append(Part("snippet", f"snippets/{snippet.name}", ranks, device, "nccl",
                           snippet_commands(snippet, ranks), timeout=90))
     parts.append(Part("gloo+cuda", "tests/gpu/gloo_cuda.py", 2, "cuda:0 (both ranks)"

@@ -128,3 +128,43 @@ def test_a_rank_whose_template_died_while_it_started_is_named(monkeypatch):
     assert worker_pids() == []
     monkeypatch.undo()
     assert gst.launch(_ok, world_size=2) == [0, 1]
+
+
+@linux_only
+def test_a_worker_whose_parent_died_before_its_lifeline_was_set_stops_itself():
+    """The parent-death signal is lost when the parent dies before the child sets it (a template
+    killed just after a fork): the worker sees it was reparented and kills itself instead."""
+    import subprocess
+
+    from gradsync_tutorial.launcher.protocol import PARENT_ENV, WORKER_MODULE
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is not this worker's parent, as after a reparenting
+    env = dict(os.environ, **{PARENT_ENV: str(gone.pid)})
+    worker = subprocess.run([sys.executable, "-m", WORKER_MODULE], env=env, timeout=60,
+                            capture_output=True, text=True)
+    assert worker.returncode == -signal.SIGKILL, worker.stderr
+
+
+@linux_only
+def test_a_process_a_worker_forks_after_the_worker_died_stops_itself():
+    """The same lifeline for a process the rank forks (``os.fork``, multiprocessing)."""
+    import subprocess
+
+    code = (
+        "import os, signal, sys, time\n"
+        "from gradsync_tutorial.launcher.process_tree import die_with_parent_and_forks\n"
+        "r, w = os.pipe()\n"
+        "def wait_for_the_parent_to_end():  # registered first, so it runs first in the child\n"
+        "    os.close(w); os.read(r, 1)\n"
+        "os.register_at_fork(after_in_child=wait_for_the_parent_to_end)\n"
+        "die_with_parent_and_forks()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.write(1, b'child alive\\n'); os._exit(0)\n"
+        "print(pid, flush=True); os._exit(0)  # the parent dies before the child goes on\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "child alive" not in proc.stdout

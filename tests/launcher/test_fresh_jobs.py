@@ -103,3 +103,41 @@ def test_the_course_s_own_launches_keep_their_warm_workers():
 
     first = gst.launch(course_job, world_size=2)
     assert gst.launch(course_job, world_size=2) == first
+
+
+def _settings(rank, world_size):
+    import os
+    import resource
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return (umask, resource.getrlimit(resource.RLIMIT_NOFILE), sorted(os.sched_getaffinity(0)),
+            os.getpriority(os.PRIO_PROCESS, 0))
+
+
+def _change_settings(rank, world_size):
+    import os
+    import resource
+
+    os.umask(0o077)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))  # "Too many open files" next
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    os.nice(5)
+    return os.getpid()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="Linux only")
+def test_a_job_s_umask_limits_affinity_and_niceness_do_not_reach_the_next():
+    fresh = gst.launch(_settings, 2)
+    gst.launch(_change_settings, 2)
+    assert gst.launch(_settings, 2) == fresh  # put back, or the workers were retired
+
+
+def test_a_removed_working_directory_is_named_before_any_process_starts(tmp_path, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(FileNotFoundError, match="working directory was removed.*os.chdir"):
+        gst.launch(pids, 2)

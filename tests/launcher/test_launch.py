@@ -496,6 +496,22 @@ def test_traceback_shows_source_lines_of_functions_passed_in_args():
     assert "return sum(values) / len(values)" in info.value.traceback
 
 
+def test_a_rank_s_traceback_shows_the_reader_s_collective_not_the_launcher_s_wrappers():
+    def fn(rank, world_size):
+        import torch.distributed as dist
+
+        dist.all_reduce([1.0, 2.0])  # a list, not a tensor: torch raises inside the call
+        return rank
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2)
+    shown = info.value.traceback
+    assert "dist.all_reduce([1.0, 2.0])" in shown  # the reader's line
+    assert "distributed_c10d.py" in shown  # torch's own frames stay: they say what it checked
+    # The launcher's wrappers (the collective counter, its own group) are not in the story.
+    assert "detect.py" not in shown and "own_group.py" not in shown
+
+
 def test_ranks_are_stopped_before_the_rendezvous_store_closes(capsys):
     """Found by the e2e suite: on a failure the launcher closed its store first, so a rank still
     talking to it (joining the rendezvous, say) printed torch's "Connection was likely closed"

@@ -57,7 +57,7 @@ def test_blame_reads_the_lost_peer_field_only():
 
 
 def test_the_worker_decides_lost_peer_from_where_the_error_was_raised():
-    from gradsync_tutorial.launcher.worker import _lost_peer
+    from gradsync_tutorial.launcher.rank_failure import lost_peer as _lost_peer
 
     assert not _lost_peer(TypeError("peer"), "peer")
     # A RuntimeError with the words, but raised in the user's code, not in torch.distributed.
@@ -213,6 +213,22 @@ def test_gpu_only_code_on_a_cpu_machine_gets_a_hint():
     message = str(info.value)
     assert "put tensors and models on gst.local_device()" in message
     assert "backend 'auto'" in message
+
+
+def test_premul_sum_on_gloo_gets_the_fixes_the_course_knows():
+    def fn(rank, world_size):
+        import torch
+        import torch.distributed as dist
+
+        # What FSDP2 sends for a gradient divide factor (torchtitan's gradient_divide_factor).
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(0.5))
+
+    with pytest.raises(RankFailedError) as info:
+        gst.launch(fn, world_size=2, backend="gloo")
+    message = str(info.value)
+    assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in message
+    assert "set_force_sum_reduction_for_comms(True) on every FSDPModule" in message
+    assert "notebook 08" in message and "ReduceOp.SUM, then multiply" in message
 
 
 def test_sys_exit_in_a_rank(capsys):

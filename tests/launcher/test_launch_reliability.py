@@ -31,7 +31,6 @@ from gradsync_tutorial.launcher import (
     process_tree,
     run,
 )
-from gradsync_tutorial.launcher import worker as _worker
 from gradsync_tutorial.launcher.protocol import END_MARK
 
 from ..conftest import REPO, start_kernel_like, wait_dead, worker_pids
@@ -510,7 +509,7 @@ def test_parent_death_signal_only_on_linux(monkeypatch):
 
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: pytest.fail("no prctl off Linux"))
-    _worker._die_with_parent()  # a no-op, not an error
+    process_tree.die_with_parent()  # a no-op, not an error
 
 
 def test_store_on_windows_binds_its_own_port(monkeypatch):
@@ -519,7 +518,7 @@ def test_store_on_windows_binds_its_own_port(monkeypatch):
     made = []
     monkeypatch.setattr(os, "name", "nt")
     monkeypatch.setattr(dist, "TCPStore", lambda host, port, **kw: made.append((host, kw)))
-    run._rendezvous_store(None, 5)
+    run._rendezvous_store(None, 5, 2)
     assert made[0][0] == "127.0.0.1" and "master_listen_fd" not in made[0][1]
 
 

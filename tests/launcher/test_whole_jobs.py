@@ -1,5 +1,5 @@
-"""Issue 39: a launch pickles what torch scripts touch, stops only jobs that can never end,
-loses no rank's work, and forgets each job exactly.
+"""Whole jobs, as torchrun runs them: a launch pickles what torch scripts touch, stops only
+jobs that can never end, loses no rank's work, and forgets each job exactly.
 
 Each test is a class of program that a torchrun script is, run through ``gst.launch``: what
 torchrun would do is what the launch must do.

@@ -10,23 +10,15 @@ measuring again), and check the writer on small examples. Nothing here executes 
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
+import re
 
 import pytest
 
 from ..conftest import NOTEBOOKS as NOTEBOOK_PATHS
-from ..conftest import REPO
+from ..conftest import REPO, tool
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("time_table", REPO / "tools" / "time_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-table = _load()
+table = tool("time_table")
 NOTEBOOKS = [p.name for p in NOTEBOOK_PATHS]
 
 
@@ -48,10 +40,16 @@ def test_the_readme_is_written_from_the_recorded_run(record):
         "the recorded run's: python tools/time_table.py --write (or make times to measure)")
 
 
-def test_durations_read_as_the_cross_reference_test_parses_them():
-    from gradsync_tutorial._wording import duration
+def _seconds(duration: str) -> int:
+    """"2 min 10 s (mostly the benchmark)" -> 130; "40 s" -> 40."""
+    m = re.match(r"\s*(?:(\d+) min)?\s*(?:(\d+) s)?", duration)
+    if not m or not any(m.groups()):
+        raise ValueError(f"not a run time: {duration!r}")
+    return int(m.group(1) or 0) * 60 + int(m.group(2) or 0)
 
-    from ..test_cross_references import _seconds
+
+def test_durations_read_back_as_the_seconds_they_were_written_from():
+    from gradsync_tutorial._wording import duration
 
     assert doctest.testmod(table, verbose=False).failed == 0
     for seconds in (0, 7, 59, 60, 61, 119, 120, 130, 481):
