@@ -142,7 +142,8 @@ def test_a_worker_whose_parent_died_before_its_lifeline_was_set_stops_itself():
     gone.wait()  # a pid that is not this worker's parent, as after a reparenting
     env = dict(os.environ, **{PARENT_ENV: str(gone.pid)})
     worker = subprocess.run([sys.executable, "-m", WORKER_MODULE], env=env, timeout=60,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True,
+                            start_new_session=True)  # as a rank: its reaper stops its group
     assert worker.returncode == -signal.SIGKILL, worker.stderr
 
 
