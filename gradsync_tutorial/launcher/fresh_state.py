@@ -39,9 +39,11 @@ What cannot be put back is a library's process-wide state. A job that imported o
 :data:`STATEFUL_LIBRARIES`, or a module of the user's own from inside ``fn`` (never a file
 under site-packages or the standard library), retires its workers (:func:`retiring_imports`);
 so does a call of ``torch.set_num_interop_threads``, which a process can make only once
-(:func:`retire_reasons`). The launch says so in one line, and the next launch starts fresh
-interpreters, as every torchrun does. Not reset otherwise: other modules' globals, CUDA
-state. ``gst.launch(..., reuse_workers=False)`` gives every launch fresh interpreters.
+(:func:`retire_reasons`), and a daemon thread of ``fn``'s own left running (the worker's
+``_daemons_left``: under torchrun it would end with the rank). The launch says so in one
+line, and the next launch starts fresh interpreters, as every torchrun does. Not reset
+otherwise: other modules' globals, CUDA state. ``gst.launch(..., reuse_workers=False)`` gives
+every launch fresh interpreters.
 
 Used by :mod:`gradsync_tutorial.launcher.worker` only, inside a worker process:
 
@@ -370,7 +372,7 @@ def _from_a_file(name: str) -> bool:
     files = [getattr(module, "__file__", None), *(getattr(module, "__path__", None) or ())]
     files = [f for f in files if isinstance(f, str)]
     return not name.startswith("__") and bool(files) and not any(
-        _installed_or_standard(f) for f in files)
+        installed_or_standard(f) for f in files)
 
 
 @functools.lru_cache(maxsize=1)
@@ -496,7 +498,7 @@ def _watch_exit_handlers() -> None:
 
     @functools.wraps(register)
     def register_noted(func, *args, **kwargs):
-        if not _installed_or_standard(os.path.abspath(sys._getframe(1).f_code.co_filename)):
+        if not installed_or_standard(os.path.abspath(sys._getframe(1).f_code.co_filename)):
             _exit_handlers.append((func, args, kwargs))
         return register(func, *args, **kwargs)
 
@@ -539,7 +541,7 @@ def note_loaded_for_fn(before: set[str]) -> None:
     _stateful_for_fn[:] = [n for n in STATEFUL_LIBRARIES if n in sys.modules and n not in before]
     for name in [n for n in list(sys.modules) if n not in before]:
         path = getattr(sys.modules[name], "__file__", None)
-        if path and not _installed_or_standard(path):
+        if path and not installed_or_standard(path):
             with contextlib.suppress(OSError):
                 stat = os.stat(path)
                 _loaded_for_fn[name] = (path, stat.st_mtime_ns, stat.st_size)
@@ -562,10 +564,10 @@ def _forget_edited_modules() -> None:
 def users_own(module: types.ModuleType) -> bool:
     """Is ``module`` a file of the user's own (not of an installed or the standard library)?"""
     path = getattr(module, "__file__", None)
-    return isinstance(path, str) and not _installed_or_standard(path)
+    return isinstance(path, str) and not installed_or_standard(path)
 
 
-def _installed_or_standard(path: str) -> bool:
+def installed_or_standard(path: str) -> bool:
     """Is ``path`` a file of an installed library or of the standard library (never a module
     of the user's own, whatever its name: pandas' compiled ``_cyutility`` is one)?"""
     folders = {os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep}

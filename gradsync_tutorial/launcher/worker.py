@@ -205,8 +205,8 @@ def _run_job(job: Job, channel: _Channel | None = None) -> Finished | Raised:
         result = _unwrap_ddp(result)
         pickled, notes = _dumps_result(result)
         return Finished(job.job_id, pickled, counter.total,
-                        _fresh_state.retiring_imports(before), _fresh_state.retire_reasons(),
-                        notes)
+                        _fresh_state.retiring_imports(before),
+                        _fresh_state.retire_reasons() + _daemons_left(threads_before), notes)
     except Exception as exc:  # noqa: BLE001
         return _raised(job.job_id,
             TypeError(f"the return value of fn ({type(result).__name__}) could not be "
@@ -235,6 +235,28 @@ def _wait_for_threads(before: set, channel: _Channel | None) -> None:
         running[0].join(0.02)  # again: the pool's own threads may be idle by now
     if channel is not None:
         channel.waiting_for = None
+
+
+def _daemons_left(before: set) -> tuple[str, ...]:
+    """A daemon thread ``fn`` left running, as a retire reason: under torchrun it ends with the
+    rank's process; here it would run on, and print into later cells."""
+    left = sorted(t.name for t in threading.enumerate() if t not in before and t.daemon
+                  and t.is_alive() and not _a_library_s_thread(t))
+    if not left:
+        return ()
+    names = ", ".join(repr(n) for n in left[:3]) + (", ..." if len(left) > 3 else "")
+    return (f"fn left daemon thread{'s' if len(left) > 1 else ''} {names} running, which "
+            "only the process's end stops",)
+
+
+def _a_library_s_thread(thread: threading.Thread) -> bool:
+    """Does ``thread`` run an installed library's code (tqdm's monitor, say), not fn's own?"""
+    run = type(thread).run
+    code = getattr(getattr(thread, "_target", None) if run is threading.Thread.run else run,
+                   "__code__", None)
+    path = os.path.abspath(code.co_filename) if code is not None else ""
+    return bool(path) and (_fresh_state.installed_or_standard(path)
+                           or path.startswith(os.path.dirname(_fresh_state.__file__)))
 
 
 def _idle_pool_thread(thread: threading.Thread) -> bool:

@@ -142,36 +142,54 @@ def test_a_thread_fn_left_running_finishes_before_the_launch_returns(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
-def _start_a_short_daemon(rank, world_size):
+def test_a_thread_that_reuses_an_ended_thread_s_ident_is_still_waited_for():
+    """A thread alive at the job's start ends; the next thread often gets its ident (on Linux,
+    the same stack reused). The job still waits for that new thread."""
     import threading
     import time
 
-    thread = threading.Thread(target=time.sleep, args=(1.0,), daemon=True)
-    thread.start()  # still alive when the next job starts; it ends during that job
-    return thread.ident
+    from gradsync_tutorial.launcher import worker
+
+    gate = threading.Event()
+    old = threading.Thread(target=gate.wait)
+    old.start()
+    before = set(threading.enumerate())  # as at the job's start: the old thread alive
+    gate.set()
+    old.join()
+    saved = []
+    new = threading.Thread(target=lambda: (time.sleep(0.3), saved.append(True)))
+    new.start()
+    worker._wait_for_threads(before, None)
+    assert saved, f"not waited for (ident reused: {new.ident == old.ident})"
 
 
-def _save_in_a_thread_after_the_daemon_ended(rank, world_size, folder):
+def _print_from_a_daemon_forever(rank, world_size):
     import threading
     import time
 
-    time.sleep(1.5)  # the daemon has ended: its ident is free again
+    def chatter():
+        while True:
+            print("left-behind daemon says hi", flush=True)
+            time.sleep(0.05)
 
-    def save():
-        time.sleep(0.5)
-        (folder / f"rank{rank}").write_text("saved")
-
-    thread = threading.Thread(target=save)
-    thread.start()
-    return thread.ident
+    threading.Thread(target=chatter, name="chatter", daemon=True).start()
+    time.sleep(0.2)
+    return rank
 
 
-def test_a_thread_that_reuses_an_ended_thread_s_ident_is_still_waited_for(tmp_path):
-    gst.launch(_start_a_short_daemon, 2)
-    gst.launch(_save_in_a_thread_after_the_daemon_ended, 2, args=(tmp_path,))
-    # The launch returned: both saves are written, even where the OS gave the thread an ident
-    # that a thread alive at the job's start had (usual on Linux: the same stack, reused).
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+def _rank_of(rank, world_size):
+    return rank
+
+
+def test_a_daemon_thread_left_running_retires_the_workers_and_prints_no_more(capfd):
+    """Under torchrun a daemon thread ends with the rank's process: here it would print into
+    every later cell. The workers are retired, and the launch says why."""
+    assert gst.launch(_print_from_a_daemon_forever, 2) == [0, 1]
+    first = capfd.readouterr().err
+    assert "daemon thread 'chatter'" in first and "retired" in first
+    assert gst.launch(_rank_of, 2) == [0, 1]
+    later = capfd.readouterr()
+    assert "left-behind daemon" not in later.out + later.err
 
 
 def test_work_queued_on_an_executor_finishes_and_an_idle_one_does_not_hold_the_launch(tmp_path):
@@ -599,3 +617,18 @@ def test_a_job_s_atexit_handlers_do_not_pile_up_for_the_next_job(tmp_path):
     assert [line for line in log if line.startswith("job 1")] == [
         "job 1: trained", "job 1: thread", "job 1: last registered", "job 1: first registered"]
     assert len([line for line in log if line.startswith("job 2")]) == 4
+
+
+def test_a_library_s_daemon_thread_keeps_the_workers_warm(capfd):
+    """tqdm leaves its monitor thread (a daemon) after a bar: a library's thread, quiet, kept."""
+    def fn(rank, world_size):
+        import os
+
+        from tqdm import tqdm
+
+        list(tqdm(range(3), disable=False, file=open(os.devnull, "w")))
+        return os.getpid()
+
+    first = gst.launch(fn, 2)
+    assert "retired" not in capfd.readouterr().err
+    assert gst.launch(fn, 2) == first  # the same workers
