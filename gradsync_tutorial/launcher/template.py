@@ -53,14 +53,26 @@ MESSAGE_BYTES = 1 << 20  # the largest request: an environment of up to 1 MB
 PER_LAUNCH_ENV = (CONTROL_ENV, TOKEN_ENV, END_MARK_ENV, "PYTEST_CURRENT_TEST")
 
 
+# The variables that can change what importing Python, torch and its libraries does (thread
+# pools, allocators, debug levels, sys.path, the locale): a template imported torch with them,
+# so another value needs another template. Any other variable reaches the forked rank as set.
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL", "OPENBLAS",
+                        "CUDA", "NVIDIA", "HIP", "ROCM", "TRITON", "LD_", "LC_", "LANG", "GRADSYNC")
+IMPORT_TIME_NAMES = ("PATH", "HOME", "TMPDIR", "VIRTUAL_ENV", "CONDA_PREFIX")
+
+
 def key(env: dict[str, str], cwd: str) -> tuple:
     """What a template must share with a launch to serve it: the interpreter, the working
-    directory (it is the first entry of ``sys.path``), and the environment torch imported in.
+    directory (it is the first entry of ``sys.path``), and the variables that importing torch
+    may read (:data:`IMPORT_TIME_PREFIXES`). A variable of the user's own changes no template:
 
-        >>> key({"A": "1", TOKEN_ENV: "x"}, "/tmp") == key({"A": "1", TOKEN_ENV: "y"}, "/tmp")
+        >>> key({"RUN_NAME": "a"}, "/tmp") == key({"RUN_NAME": "b"}, "/tmp")
         True
+        >>> key({"OMP_NUM_THREADS": "1"}, "/tmp") == key({"OMP_NUM_THREADS": "2"}, "/tmp")
+        False
     """
-    kept = tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH_ENV))
+    kept = tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH_ENV and (
+        k.startswith(IMPORT_TIME_PREFIXES) or k in IMPORT_TIME_NAMES)))
     return (sys.executable, cwd, kept)
 
 

@@ -72,6 +72,21 @@ def test_each_rank_is_forked_by_its_own_template_for_its_environment(monkeypatch
     assert not set(_parents(2)) & set(again)  # another environment: other templates
 
 
+def _parent_and_run_name(rank, world_size):
+    return os.getppid(), os.environ.get("RUN_NAME_OF_THIS_TEST", "unset")
+
+
+def test_a_variable_torch_does_not_read_at_import_keeps_the_templates(monkeypatch):
+    """A run name set in the notebook reaches the ranks, and costs no new import of torch."""
+    gst.shutdown_workers()
+    monkeypatch.delenv("RUN_NAME_OF_THIS_TEST", raising=False)
+    first = gst.launch(_parent_and_run_name, world_size=2, reuse_workers=False)
+    monkeypatch.setenv("RUN_NAME_OF_THIS_TEST", "second")
+    second = gst.launch(_parent_and_run_name, world_size=2, reuse_workers=False)
+    assert [p for p, _ in second] == [p for p, _ in first]  # the same templates forked them
+    assert [name for _, name in second] == ["second"] * 2
+
+
 def _hash_of_a_string(rank, world_size):
     return hash("gradsync")
 
