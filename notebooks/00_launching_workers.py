@@ -92,8 +92,9 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # %% [markdown]
 # ## `gst.launch`: fresh processes, the function sent by value
 #
-# `gst.launch(fn, world_size)` starts `world_size` fresh interpreters. It sends them `fn` **by
-# value**, with `cloudpickle`, so cells, lambdas and closures work. In each one it:
+# `gst.launch(fn, world_size)` starts `world_size` processes, fresh as far as `fn` can tell
+# (`docs/launcher.md` says how). It sends them `fn` **by value**, with `cloudpickle`, so cells,
+# lambdas and closures work. In each one it:
 #
 # 1. sets the environment `torchrun` would set (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
 #    `MASTER_PORT`, ...);
@@ -198,7 +199,7 @@ except gst.RankFailedError as err:
 # %% [markdown]
 # A **hang** is the other classic failure: one rank waits in a collective that another rank never
 # calls. `launch` stops every rank and raises, naming the stuck ranks and where each one waited. It
-# acts as soon as a rank waits in a collective that another rank returned from without calling. Such
+# acts as soon as a rank waits in a collective that another rank returned without calling. Such
 # a wait can never finish, so `launch` stops it a few seconds later. Otherwise it stops at its
 # wall-clock `timeout`, 300 s by default. The check below asserts both numbers:
 

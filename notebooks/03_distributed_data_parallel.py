@@ -501,7 +501,7 @@ def train_bn(rank, world_size, mode, steps=3):
     if mode == "SyncBatchNorm":  # batch statistics over the global batch; GPU only
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if mode in ("DDP", "SyncBatchNorm"):
-        model = DDP(model)  # broadcast_buffers=True, the default
+        model = DDP(model)  # forward_sync_buffers=True, the default
     plain = model.module if isinstance(model, DDP) else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     images, labels = gst.data.load(train=True)
@@ -538,10 +538,10 @@ assert bn_ddp["parameters"] == 0.0 and bn_ddp["buffers at evaluation"] == 0.0
 assert bn_ddp["buffers after training"] > 0.0  # each rank's last forward pass updated its own
 
 # %% [markdown]
-# **Fix**: DDP's `broadcast_buffers=True` (the default) copies rank 0's buffers to every rank.
-# Recent versions call it `forward_sync_buffers`. The copy happens at the start of each forward
-# pass, evaluation included, so every forward through the wrapper is a collective. There are two
-# safe ways to evaluate:
+# **Fix**: DDP's `forward_sync_buffers=True` (the default) copies rank 0's buffers to every rank.
+# Before torch 2.13 it was called `broadcast_buffers`, a name now deprecated. The copy happens at
+# the start of the first forward pass after a training step, evaluation included. So the first
+# evaluation batch through the wrapper is a collective. There are two safe ways to evaluate:
 #
 # - through the wrapper, on every rank, with the same number of batches;
 # - `model.module` on rank 0 alone, whose buffers are the ones DDP broadcasts.
@@ -576,9 +576,10 @@ else:
     print(f"{torch.cuda.device_count()} GPUs for {WORLD_SIZE} ranks: SyncBatchNorm not run")
 
 # %% [markdown]
-# **Bug, in the fix**: `if rank == 0: evaluate(ddp_model)`. That forward pass broadcasts the buffers
-# on rank 0 alone, even in `eval()` mode under `no_grad()`. This is notebook 04's skipped-collective
-# pitfall: a hang. Here are two steps of training, then one evaluation batch, evaluated three ways:
+# **Bug, in the fix**: `if rank == 0: evaluate(ddp_model)`. Its first forward pass broadcasts the
+# buffers on rank 0 alone, even in `eval()` mode under `no_grad()`. This is notebook 04's
+# skipped-collective pitfall. At the end of training no later forward on the other ranks answers
+# it: a hang. Here are two steps of training, then one evaluation batch, evaluated three ways:
 
 # %%
 def evaluate_bn(rank, world_size, how, steps=2):
@@ -628,7 +629,7 @@ assert difference == 0.0
 # ### Accumulation: all-reducing every micro-batch
 #
 # A global batch may be larger than fits in memory. Each rank then runs several micro-batches and
-# steps once. **Bug**: averaging after every micro-batch's `backward()`. DDP does this by default.
+# steps once. **Waste**: averaging after every micro-batch's `backward()`. DDP does this by default.
 # The result is right, since averaging is linear, but it costs K times the communication. **Fix**:
 # average once, after the last micro-batch. With DDP, run the other micro-batches inside
 # `model.no_sync()`.

@@ -108,12 +108,16 @@ class RankFailedError(LaunchError):
 
     ``rank`` is the rank blamed (the first to fail other than as a consequence); ``failure``
     is its :class:`Failure` record; ``exc_type`` and ``traceback`` are its exception's type
-    name and formatted traceback (empty for a dead process).
+    name and formatted traceback (empty for a dead process); ``exception`` is that exception,
+    rebuilt in the notebook (None if it cannot be, or for a dead process). It is not chained as
+    ``__cause__``: its traceback is in the message already, and a chained copy showed it twice.
     """
 
-    def __init__(self, message: str, failures: dict[int, Failure], rank: int):
+    def __init__(self, message: str, failures: dict[int, Failure], rank: int,
+                 exception: BaseException | None = None):
         super().__init__(message, failures)
         self.rank = rank
+        self.exception = exception
 
     @property
     def failure(self) -> Failure:
@@ -194,7 +198,7 @@ def _blame(failures: Sequence[Failure]) -> Failure:
 def rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedError:
     """The error to raise, formatted once from the records (``failures`` in order noticed).
 
-    Its ``__cause__`` is the blamed rank's own exception when the notebook can rebuild it.
+    Its ``exception`` is the blamed rank's own exception when the notebook can rebuild it.
     """
     first = _blame(failures)
     # Lead with the blamed rank: ranks failing just after it often fail *because* of it
@@ -209,9 +213,7 @@ def rank_failed_error(failures: Sequence[Failure], started: bool) -> RankFailedE
         hint = _hint(first)
         message = (f"{first.summary()}\nAll ranks were stopped.{others}{hint}"
                    f"\n\nTraceback from rank {first.rank}:\n{first.traceback}")
-        error = RankFailedError(message, by_rank, first.rank)
-        error.__cause__ = _rebuild(first.exception)
-        return error
+        return RankFailedError(message, by_rank, first.rank, _rebuild(first.exception))
     if first.kind == "result":  # every rank finished; nothing to stop
         return RankFailedError(f"{first.summary()}.", by_rank, first.rank)
     when = "" if started else " while starting up, before running fn (its output is above)"

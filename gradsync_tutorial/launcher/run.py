@@ -219,8 +219,8 @@ def launch(
             _stop_idle_pools()
 
     if state.failures:
-        # from: the rank's exception, when it could be rebuilt
-        raise shown_from_caller(error) from error.__cause__
+        # from None: the rank's traceback is in the message (error.exception is its exception)
+        raise shown_from_caller(error) from None
     return _ended_well(state, workers, world_size, reuse_workers)
 
 

@@ -237,7 +237,8 @@ def test_rank_raises_names_rank_type_message_and_source_line(capsys):
     assert str(err).startswith("rank 1 raised ValueError: loss is NaN on rank 1")
     assert 'raise ValueError("loss is NaN on rank 1")' in str(err)  # the user's line
     assert __file__ in err.traceback
-    assert isinstance(err.__cause__, ValueError)
+    assert isinstance(err.exception, ValueError)
+    assert err.__cause__ is None and err.__suppress_context__  # its traceback shown once
     assert "[rank 1] step 1 on 1" in capsys.readouterr().out
     assert worker_pids() == []
 
