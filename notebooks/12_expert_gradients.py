@@ -34,6 +34,7 @@ import inspect
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from IPython.display import Markdown
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -47,36 +48,15 @@ assert all(size % EP == 0 for size in SIZES), "EP must divide every world size"
 #
 # The toy layer: a dense `Linear` with `tanh`, a router, and `EP` experts (`Linear` each). The
 # router picks each token's expert by its largest logit. The expert's output is multiplied by
-# that logit's softmax probability, the **gate**, so that the router gets a gradient.
+# that logit's softmax probability, the **gate**, so that the router gets a gradient. It lives in
+# `gradsync_tutorial/moe.py`, where this notebook's exercise reads it too:
 
 # %%
-class ToyMoE(nn.Module):
-    """A dense layer, a top-1 router and EP experts: the whole layer, in one process."""
+from gradsync_tutorial.moe import ToyMoE  # one copy, which the exercise uses too
 
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(SEED)  # the same initial weights wherever it is built
-        self.dense = nn.Linear(HIDDEN, HIDDEN)
-        self.router = nn.Linear(HIDDEN, EP)
-        self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(EP))
-        with torch.no_grad():  # route by the sign of the first feature: a rough half each
-            self.router.weight[:, 0] += torch.linspace(3.0, -3.0, EP)
+Markdown(f"```python\n{inspect.getsource(ToyMoE)}```")
 
-    def route(self, x):
-        h = torch.tanh(self.dense(x))
-        logits = self.router(h)
-        choice = logits.argmax(dim=-1)  # top-1: each token's expert
-        gate = logits.softmax(dim=-1).gather(1, choice[:, None])  # the router's gradient path
-        return h, choice, gate
-
-    def forward(self, x):
-        h, choice, gate = self.route(x)
-        y = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            y[choice == e] = expert(h[choice == e])  # expert e sees only its own tokens
-        return gate * y
-
-
+# %%
 def global_batch(seed, world_size):
     """TOKENS tokens per rank, inputs and targets; rank r holds rows r*TOKENS to (r+1)*TOKENS."""
     g = torch.Generator().manual_seed(seed)
@@ -87,7 +67,7 @@ def global_batch(seed, world_size):
 def one_process(seed, world_size, layer=None):
     """The reference: one process, the union batch, PyTorch's mean loss. Returns its gradients
     by name and each expert's token count."""
-    layer = copy.deepcopy(layer) if layer is not None else ToyMoE().double()
+    layer = copy.deepcopy(layer) if layer is not None else ToyMoE(HIDDEN, EP, SEED).double()
     x, y = global_batch(seed, world_size)
     F.mse_loss(layer(x), y).backward()
     counts = torch.bincount(layer.route(x)[1], minlength=EP).tolist()
@@ -245,7 +225,7 @@ def every_way(rank, world_size, seeds, layer):
 
 
 seeds = [SEED + i for i in range(BATCHES)]
-layer0 = ToyMoE().double()
+layer0 = ToyMoE(HIDDEN, EP, SEED).double()
 runs = {size: gst.launch(every_way, world_size=size, args=(seeds, layer0)) for size in SIZES}
 
 # %%
@@ -439,7 +419,7 @@ assert all(line in collectives for line in lines)
 # %%
 def per_token_sum(seed, world_size, e):
     """Expert e's gradient, summed token by token over its own tokens (sum losses, no mean)."""
-    layer = ToyMoE().double()
+    layer = ToyMoE(HIDDEN, EP, SEED).double()
     x, y = global_batch(seed, world_size)
     total = torch.zeros_like(layer.experts[e].weight)
     for t in range(len(x)):
@@ -474,7 +454,7 @@ for e in range(EP):
 # expert 0. Expert 1 then runs on an empty tensor, and its gradient is zero, not `None`:
 
 # %%
-starved = ToyMoE().double()
+starved = ToyMoE(HIDDEN, EP, SEED).double()
 with torch.no_grad():
     starved.router.bias.copy_(torch.tensor([100.0, -100.0]))  # every token to expert 0
 starved_ref, starved_counts = one_process(SEED, 4, starved)

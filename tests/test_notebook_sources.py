@@ -134,3 +134,17 @@ def test_a_mesh_on_a_named_device_is_found(tmp_path):
     program.write_text('mesh = init_device_mesh("cpu", (2,))\n'
                        "ok = init_device_mesh(device.type, (2,))\n")
     assert _meshes_on_a_named_device(program) == ["line 1: init_device_mesh('cpu', (2,))"]
+
+
+def test_notebook_12_and_its_exercise_share_one_moe_layer():
+    """One copy of the toy mixture-of-experts layer: the exercise checks against the model the
+    notebook teaches with, not a copy that may drift."""
+    from gradsync_tutorial import moe
+    from gradsync_tutorial.exercises import moe_gradients
+
+    assert moe_gradients.ToyMoE is moe.ToyMoE
+    (source,) = [s for s in SOURCES if s.name.startswith("12_")]
+    tree = ast.parse(source.read_text())
+    defined = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert "ToyMoE" not in defined, "notebook 12 defines its own ToyMoE again"
+    assert "from gradsync_tutorial.moe import ToyMoE" in source.read_text()

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import ToyMoE
 from . import common, evidence
 from .common import Run
 
@@ -38,35 +39,6 @@ def experts_at(world_size: int) -> int:
 
 def _label(world_size: int) -> str:
     return f"on {world_size} ranks"
-
-
-# --------------------------------------------------------------------------------------------
-# The layer: the notebook's, small
-# --------------------------------------------------------------------------------------------
-
-
-class _Layer(nn.Module):
-    def __init__(self, ep: int):
-        super().__init__()
-        torch.manual_seed(evidence.SEED)  # the same initial weights on every rank
-        self.dense, self.router = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, ep)
-        self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(ep))
-        with torch.no_grad():  # every expert gets some tokens, unevenly
-            self.router.weight[:, 0] += torch.linspace(3.0, -3.0, ep)
-        self.double()
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = torch.tanh(self.dense(x))
-        logits = self.router(h)
-        choice = logits.argmax(dim=-1)
-        return h, choice, logits.softmax(dim=-1).gather(1, choice[:, None])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # one process: every expert here
-        h, choice, gate = self.route(x)
-        y = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            y[choice == e] = expert(h[choice == e])
-        return gate * y
 
 
 class _AllToAll(torch.autograd.Function):
@@ -88,7 +60,7 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def _expert_parallel(layer: _Layer, expert: nn.Module, x: torch.Tensor, ep: int,
+def _expert_parallel(layer: ToyMoE, expert: nn.Module, x: torch.Tensor, ep: int,
                      group: Any) -> torch.Tensor:
     import torch.distributed as dist
 
@@ -129,10 +101,10 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
     ep_rank = mesh.get_local_rank("ep")
     x, y = _tokens(seed[0], world_size)
-    whole = _Layer(ep)
+    whole = ToyMoE(HIDDEN, ep, evidence.SEED).double()
     F.mse_loss(whole(x), y).backward()  # one process, every rank's tokens
     reference = {n: p.grad.clone() for n, p in whole.named_parameters()}
-    layer = copy.deepcopy(_Layer(ep))
+    layer = copy.deepcopy(ToyMoE(HIDDEN, ep, evidence.SEED).double())
     expert = layer.experts[ep_rank]
     mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
     out = _expert_parallel(layer, expert, x[mine], ep, mesh["ep"].get_group())
