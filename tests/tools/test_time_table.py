@@ -106,3 +106,30 @@ def test_a_notebook_timed_alone_is_merged_and_said_under_the_table(record):
     assert ("Notebook 99 was timed alone by `make times NB=99` (2026-12-06 04:00 UTC, load "
             "average 0.3 before).") in table.run_line(merged)
     assert "99_new.ipynb" not in record["notebooks"]  # the record itself is left alone
+
+
+def _table_after(heading: str, first_cell: str) -> list[str]:
+    """The rows of the README table under ``heading`` whose first cell starts ``first_cell``."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines()
+            if line.startswith("| ") and line[2:].startswith(first_cell)]
+
+
+def test_every_notebook_is_in_exactly_one_part_and_in_an_agenda():
+    """A new notebook must be placed: in one part (the parts do not overlap), and in at least
+    one workshop agenda. Else it silently drops out of both totals."""
+    from gradsync_tutorial.notebooks import mentioned
+
+    numbers = [name[:2] for name in NOTEBOOKS]
+    parts = [mentioned(row.split("|")[1]) for row in _table_after("## Who needs which part",
+                                                                   "Part ")]
+    assert parts, "no part rows found under '## Who needs which part'"
+    placed = [n for part in parts for n in part]
+    assert sorted(placed) == numbers, (
+        f"each notebook in exactly one part: the parts name {sorted(placed)}, "
+        f"the notebooks are {numbers}")
+    agendas = {n for row in _table_after("## Teaching a workshop", "")
+               for n in mentioned(row.split("|")[2])}
+    missing = [n for n in numbers if n not in agendas]
+    assert not missing, f"notebooks in no workshop agenda: {missing}"
