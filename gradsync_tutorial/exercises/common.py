@@ -360,7 +360,8 @@ def note_launched(world_size: int) -> None:
 
 def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], timeout: float,
              diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str], *,
-             label: Callable[[int], str] = "on {} ranks".format) -> str:
+             label: Callable[[int], str] = "on {} ranks".format,
+             not_only_powers_of_two: bool = False) -> str:
     """Run ``worker(rank, world_size, fn)`` at each world size in turn and diagnose each run;
     return ``verified(runs)``: the check of a distributed exercise. ``label(n)`` says where
     the run of ``n`` ranks ran ("on 2 ranks × 4 micro-batches", for a check whose other
@@ -369,12 +370,16 @@ def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], ti
     A wrong answer stops at the first size that shows it. The size whose idle workers are
     still there (the last one launched) runs first, whatever its turn: it costs no start-up.
     ``world_size=WORLD_SIZES`` (the checks' default) is 2 and :func:`second_size`; a failure
-    at the second size then says how to run that size again.
+    at the second size then says how to run that size again. ``not_only_powers_of_two``: where
+    that default draws 4, 3 ranks run too (a bf16 division by 2 or 4 is exact: a second
+    rounding shows only at other sizes).
     """
     __tracebackhide__ = True
     drawn = None
     if world_size is WORLD_SIZES:
         world_size = (2, drawn := second_size())
+        if not_only_powers_of_two and drawn & (drawn - 1) == 0:
+            world_size += (3,)
     order = sizes(world_size, "world_size", 2, "a check needs several ranks")
     runs: dict[int, Run] = {}
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync_tutorial import exercises
+from gradsync_tutorial.exercises import ExerciseFailed, common
 
 from .conftest import (
     ON_2,
@@ -23,7 +24,7 @@ NAME = "average_gradients_in_fp32"
 
 
 def _fp32(divide=True, world_size=None, copy_back=True, bf16_division=False, dummy=None,
-          then=None):
+          then=None, divide_first=False, bf16_division_after=False):
     """A learner's average_gradients_in_fp32, with one of the typical mistakes switched on
     (dummy: the gradients through files, next to a dummy all_reduce of that many zeros)."""
 
@@ -35,6 +36,8 @@ def _fp32(divide=True, world_size=None, copy_back=True, bf16_division=False, dum
             grads = [p.grad for p in model.parameters()]
         if bf16_division:  # divide each bf16 gradient first: rounded in bf16, then summed
             buffer = torch.cat([(g / n).float().flatten() for g in grads])
+        elif divide_first:  # what DDP does: each float32 gradient / N, then the sum (right)
+            buffer = torch.cat([g.float().flatten() / n for g in grads])
         else:
             buffer = torch.cat([g.float().flatten() for g in grads])
         if dummy:
@@ -44,11 +47,13 @@ def _fp32(divide=True, world_size=None, copy_back=True, bf16_division=False, dum
             buffer = sum(load_everyone(folder))
         else:
             dist.all_reduce(buffer)
-        if divide and not bf16_division:
+        if divide and not (bf16_division or divide_first or bf16_division_after):
             buffer /= n
         if copy_back:
             for g, piece in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
                 g.copy_(piece.view_as(g))
+                if bf16_division_after:  # the float32 sum rounded to bf16, then divided in bf16
+                    g /= n
         if then == "steps the optimizer":
             torch.optim.SGD(model.parameters(), lr=0.1).step()
 
@@ -107,3 +112,18 @@ def test_the_fp32_check_says_what_it_verified(capsys):
         "✓ correct: on 3 ranks, your all_reduce carried float32 (1 call, 21,840 numbers) and "
         "delivered the sum of the ranks' bf16 gradients; every rank's bf16 gradients are the "
         "mean rounded once")
+
+
+def test_float32_gradients_divided_before_the_sum_are_right_at_every_size(capsys):
+    """DDP's order: each float32 gradient divided by N, then summed. float32 rounds twice, and
+    tips a few means that lie at a bf16 tie: still the mean rounded once."""
+    exercises.check_average_gradients_in_fp32(_fp32(divide_first=True), world_size=(3, 5))
+    assert capsys.readouterr().out.startswith("✓ correct: on 3 and 5 ranks")
+
+
+def test_a_bf16_division_after_the_sum_is_caught_where_4_ranks_were_drawn(monkeypatch):
+    """Dividing the bf16 sum by 2 or 4 is exact: where the drawn size is 4, 3 ranks run too."""
+    monkeypatch.setenv(common.SIZE_VARIABLE, "4")
+    with pytest.raises(ExerciseFailed, match=r"on 3 ranks: [\d,]+ of your 21,840 numbers are "
+                       r"not the float32 mean rounded once"):
+        exercises.check_average_gradients_in_fp32(_fp32(bf16_division_after=True))
