@@ -658,8 +658,8 @@ assert torch.allclose(shrunk, theta0 * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13
 # A healing replica sends zeros, and still receives the average. Leave `model` and `start`
 # unchanged.
 #
-# The check runs it at two world sizes, two rounds each: everyone takes part, then rank 1
-# is healing. It compares with the participants' mean, computed from every rank's weights. It
+# The check runs it at two world sizes, three rounds each: everyone takes part, then rank 1
+# is healing, then rank 0 and the last rank. It compares with the participants' mean, computed from every rank's weights. It
 # says so if you divided by the world size, flipped the sign, or let the healing replica send
 # its weights. Stuck? `%load solutions/13_average_pseudo_gradient.py` in a new cell.
 

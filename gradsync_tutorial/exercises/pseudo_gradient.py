@@ -3,11 +3,12 @@
 pseudo-gradient (the round's start weights minus the weights now) averaged over the replicas
 that take part; a healing replica sends zeros and receives the average.
 
-The check runs the learner's function on 2 ranks, then at the second size, two rounds each: in the
-first every replica takes part, in the second rank 1 is healing. So dividing by the world size is
-right in round 1 and wrong in round 2, and no hard-coded count is right in both. Every rank's
-weights are fresh random numbers, drawn from a seed that rank 0 draws and sends before the learner's
-function runs: a rank can know the others' weights only through a collective. """
+The check runs the learner's function on 2 ranks, then at the second size, three rounds each: in
+the first every replica takes part, in the second rank 1 is healing, in the third rank 0 and, from
+3 ranks on, the last rank too. So dividing by the world size is right in round 1 only, no
+hard-coded count or healing rank is right in all three, and "someone heals" is not N - 1. Every
+rank's weights are fresh random numbers, drawn from a seed that rank 0 draws and sends before the
+learner's function runs: a rank can know the others' weights only through a collective. """
 
 from __future__ import annotations
 
@@ -20,12 +21,24 @@ from torch import nn
 from . import common, evidence
 from .common import Run
 
-HEALING = 1  # the rank that is healing in round 2
-ROUNDS = ("every replica takes part", f"rank {HEALING} is healing")
+ROUNDS = 3  # every replica takes part; rank 1 heals; rank 0 (and the last, from 3 ranks) heal
 
 
-def _participating(rank: int, round_: int) -> bool:
-    return round_ == 0 or rank != HEALING
+def _healing(round_: int, world_size: int) -> list[int]:
+    """The ranks that are healing in round ``round_`` (0-based) of a run on ``world_size``."""
+    return [[], [1], [0, world_size - 1] if world_size > 2 else [0]][round_]
+
+
+def _participating(rank: int, round_: int, world_size: int) -> bool:
+    return rank not in _healing(round_, world_size)
+
+
+def _round_text(round_: int, world_size: int) -> str:
+    healing = _healing(round_, world_size)
+    if not healing:
+        return "every replica takes part"
+    return (f"rank {healing[0]} is healing" if len(healing) == 1 else
+            f"ranks {' and '.join(map(str, healing))} are healing")
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,11 +70,11 @@ def _as_list(got: Any, shapes: list[torch.Size]) -> torch.Tensor | str:
     return torch.cat([t.detach().to("cpu", torch.float64).flatten() for t in got])
 
 
-def _round(fn: Callable, rank: int, seed: int, round_: int) -> dict:
+def _round(fn: Callable, rank: int, world_size: int, seed: int, round_: int) -> dict:
     model, start = _model(seed, rank, round_)
     params, given = evidence.params_of(model), [s.clone() for s in start]
     with evidence.Recorder(fn) as calls:
-        got = common.attempt(fn, model, given, _participating(rank, round_))
+        got = common.attempt(fn, model, given, _participating(rank, round_, world_size))
     return {"got": _as_list(got, [p.shape for p in model.parameters()]),
             "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
             "start": torch.cat([s.flatten() for s in start]),
@@ -78,7 +91,7 @@ def _worker(rank: int, world_size: int, fn: Callable) -> list[dict]:
 
     seed = [evidence.fresh_seed()]
     dist.broadcast_object_list(seed, src=0)  # every rank draws the same start weights
-    return [_round(fn, rank, seed[0], r) for r in range(len(ROUNDS))]
+    return [_round(fn, rank, world_size, seed[0], r) for r in range(ROUNDS)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,7 +103,8 @@ def _pieces(run: Run, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     """(start, sum of the participants' weights, sum of every rank's weights, participants P,
     world size N) of round ``r``."""
     outs = [o[r] for o in run.outs]
-    taking_part = [o["weights"] for rank, o in enumerate(outs) if _participating(rank, r)]
+    taking_part = [o["weights"] for rank, o in enumerate(outs)
+                   if _participating(rank, r, run.size)]
     return (outs[0]["start"], torch.stack(taking_part).sum(0),
             torch.stack([o["weights"] for o in outs]).sum(0), len(taking_part), run.size)
 
@@ -110,8 +124,9 @@ def _mistakes(run: Run, r: int) -> list[tuple[str, torch.Tensor]]:
     return [
         ("the sign is wrong: the pseudo-gradient is start - weights (before minus after), the "
          "direction an outer SGD step goes against, as for a gradient.", -own / P),
-        (f"you divided by the world size ({N}), but {N - P} replica is healing and sent zeros: "
-         f"{_COUNT}.", own / N),
+        (f"you divided by the world size ({N}), but {N - P} "
+         f"{'replica is' if N - P == 1 else 'replicas are'} healing and sent zeros: {_COUNT}.",
+         own / N),
         (f"the sign is wrong (start - weights, not weights - start), and you divided by the "
          f"world size ({N}) where {P} replicas took part: {_COUNT}.", -own / N),
         ("the healing replica sent its own pseudo-gradient: it must send zeros (its weights are "
@@ -138,10 +153,10 @@ def _each_round(check: Callable[[Run, int, list], str | None]) -> Callable[[Run]
     """A diagnosis that looks at each round in turn; its message names the round."""
 
     def diagnosis(run: Run) -> str | None:
-        for r, what in enumerate(ROUNDS):
+        for r in range(ROUNDS):
             message = check(run, r, [o[r] for o in run.outs])
             if message:
-                return f"in round {r + 1} ({what}), {message}"
+                return f"in round {r + 1} ({_round_text(r, run.size)}), {message}"
 
     diagnosis.__name__ = check.__name__
     return diagnosis
@@ -169,7 +184,7 @@ def _touched(run: Run, r: int, outs: list) -> str | None:
 def _ranks_differ(run: Run, r: int, outs: list) -> str | None:
     for rank, out in enumerate(outs[1:], start=1):
         if not _same(out["got"], outs[0]["got"]):
-            who = " (the healing one)" if not _participating(rank, r) else ""
+            who = " (a healing one)" if not _participating(rank, r, run.size) else ""
             return (f"rank {rank}{who} returned other numbers than rank 0: every rank, the "
                     "healing one too, must return the same average (all_reduce gives it to all).")
 
@@ -197,8 +212,9 @@ DIAGNOSES = (_not_a_list, _touched, _ranks_differ, _wrong)
 def _verified(runs: Sequence[Run]) -> str:
     calls = evidence.calls_text(runs[-1].out[1]["counts"])
     return (f"{common.sizes_text(runs)}, every rank returned the mean of (start - weights) over "
-            f"the replicas taking part, with all of them and with rank {HEALING} healing "
-            f"(collectives on rank 0: {calls}); the weights and `start` are untouched.")
+            f"the replicas taking part: all of them, then with rank 1 healing, then rank 0 and "
+            f"the last rank (collectives on rank 0: {calls}); the weights and `start` are "
+            "untouched.")
 
 
 @common.exercise("13_averaging_parameters.ipynb",
@@ -210,8 +226,9 @@ def check_average_pseudo_gradient(average_pseudo_gradient: Callable,
     every rank, the mean over the participating replicas of ``start - weights``, one tensor per
     parameter; a healing replica (``participating=False``) sends zeros and receives the mean.
 
-    Runs it on 2 ranks, then on 3 to 5 (``world_size``: another number, or several), two rounds
-    each: every replica takes part, then rank 1 is healing. Says so if you divided by the world
+    Runs it on 2 ranks, then on 3 to 5 (``world_size``: another number, or several), three
+    rounds each: every replica takes part, then rank 1 is healing, then rank 0 and the last
+    rank. Says so if you divided by the world
     size, flipped the sign, let the healing replica send its weights, did not divide, returned
     the mean weights, or changed the weights or ``start``.
 

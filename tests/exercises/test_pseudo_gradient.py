@@ -27,6 +27,10 @@ def _pseudo(mistake=None):
         dist.all_reduce(count)
         if mistake == "hard-coded world_size - 1":
             count = torch.tensor([float(dist.get_world_size() - 1)], dtype=torch.float64)
+        if mistake == "someone heals taken as world_size - 1":  # whether any heals, not how many
+            anyone = torch.tensor([float(not participating)], dtype=torch.float64)
+            dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+            count = torch.tensor([dist.get_world_size() - anyone.item()], dtype=torch.float64)
         out = []
         for s, p in zip(start, model.parameters(), strict=True):
             if mistake == "start changed in place":
@@ -59,6 +63,8 @@ WRONG = {
     "hard-coded world_size - 1": r"in round 1 .*(you did not divide|× the participants' mean)",
     "mean weights": r"you returned the participants' mean weights",
     "start changed in place": r"changed `start`",
+    "someone heals taken as world_size - 1": r"^right on 2 ranks, but on 3 ranks: in round 3 "
+                                             r"\(ranks 0 and 2 are healing\)",
 }
 
 
