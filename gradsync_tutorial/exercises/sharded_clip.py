@@ -3,10 +3,11 @@ max_norm)`` returns this rank's shard of the mean gradient, clipped by the whole
 
 The check runs the learner's function on 2 and on 3 ranks, with shards of another size at each
 (12 numbers, then 10: neither a hard-coded world size nor a hard-coded shard size passes both),
-twice each: once with ``max_norm`` far above the norm (no clipping: the division shows) and
-once with a quarter of it (clipping: the norm shows). Every rank's flat gradient is fresh random
-data, so it looks at what each collective delivered, not only at the result: this rank's shard
-of the sum from a reduce-scatter, and the squared norm, one number, from an all-reduce.
+three times each: with ``max_norm`` far above the norm (no clipping: the division shows), with
+a quarter of it (clipping: the norm shows), and with twice the norm (no clipping: a squared norm
+compared with ``max_norm`` shows, the norm being above 2). Every rank's flat gradient is fresh
+random data, so it looks at what each collective delivered, not only at the result: this rank's
+shard of the sum from a reduce-scatter, and the squared norm, one number, from an all-reduce.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ EPS = 1e-6  # what clip_grad_norm_ adds to the norm
 RTOL, ATOL = 1e-4, 1e-6
 # The names of a reduce-scatter (torch 2.13 renamed reduce_scatter_tensor reduce_scatter_single).
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
-CASES = ("no clipping", "clipping")
+CASES = ("no clipping", "clipping", "max_norm just above the norm")
+#: max_norm in each case, as a multiple of the mean gradient's norm (about 5 here, never near 1:
+#: twice the norm lies between the norm and its square, where comparing the square misleads).
+MAX_NORM_TIMES = (10.0, 0.25, 2.0)
 # What gloo says when a reduce-scatter's output is not len(input) // world_size.
 _SIZE_ERRORS = re.compile(r"outputShape\[0\] \* worldSize == inputShape\[0\]|world_size times")
 
@@ -44,7 +48,7 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     dist.all_gather(everyone, flat)  # for the reference (before the learner's calls are recorded)
     norm = torch.stack(everyone).mean(0).norm().item()
     cases, changed = {}, None
-    for case, max_norm in zip(CASES, (10 * norm, norm / 4), strict=True):
+    for case, max_norm in zip(CASES, (k * norm for k in MAX_NORM_TIMES), strict=True):
         given = flat.clone()
         with evidence.Recorder(fn) as calls:
             try:
@@ -220,6 +224,21 @@ def _not_clipped_by_the_norm(run: Run) -> str | None:
                     f"{_clip_mistake(run, rank, case, expected)}")
 
 
+def _clipped_below_max_norm(run: Run) -> str | None:
+    """max_norm above the norm: nothing to clip. A squared norm compared with max_norm clips."""
+    expected = _expected(run)
+    for rank, out in enumerate(run.outs):
+        case = out["cases"]["max_norm just above the norm"]
+        if not _close(case["got"], expected["shards"][rank]):
+            c = _ratio(case["got"], expected["shards"][rank])
+            how = f" (×{c:.3g})" if c is not None else ""
+            return (f"on rank {rank} of {run.size}, with max_norm {case['max_norm']:.3g}, above "
+                    f"the gradient's norm {expected['norm']:.4g}, your shard changed{how}: clip "
+                    "only when the norm itself, the square root of the summed squares, exceeds "
+                    "max_norm (not the squared norm), and never scale up: min(1, max_norm / "
+                    "(norm + 1e-6)).")
+
+
 def _clip_mistake(run: Run, rank: int, case: dict, expected: dict) -> str:
     """What is wrong with rank's clipped shard: clipped by which norm?"""
     got, shard, max_norm, norm = (case["got"], expected["shards"][rank], case["max_norm"],
@@ -294,7 +313,8 @@ def _norm_not_carried(run: Run) -> str | None:
 
 
 DIAGNOSES = (_size_refused, _not_a_shard, _no_collective, _no_reduce_scatter,
-             _reduce_scatter_repeated, _not_the_mean, _not_clipped_by_the_norm, _flat_grad_touched,
+             _reduce_scatter_repeated, _not_the_mean, _not_clipped_by_the_norm,
+             _clipped_below_max_norm, _flat_grad_touched,
              _shard_not_carried, _norm_not_one_number, _norm_not_carried)
 
 

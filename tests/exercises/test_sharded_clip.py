@@ -56,7 +56,10 @@ def _shard(divide="world_size", op="SUM", norm="global", clip=True, collective="
             shard /= {"two": 2, "three": 3}.get(divide, n)
         squares = (shard**2).sum()
         total = _shard_norm(norm, shard, squares, flat_grad)
-        if clip:
+        if clip == "the squared norm compared":  # the square against max_norm, uncapped
+            if float(total) ** 2 > max_norm:
+                shard = shard * (max_norm / (float(total) + 1e-6))
+        elif clip:
             shard = shard * min(1.0, max_norm / (float(total) + 1e-6))
         return torch.cat([shard] * n) if whole else shard
 
@@ -109,6 +112,9 @@ WRONG = [
      ON_2 + r"on rank 0 of 2, with max_norm .*, you clipped with the norm of your own shard, "
             r".*× the whole gradient's norm .*: each rank clips by its own factor\. All-reduce "
             r"the squared norm of your shard"),
+    ("the squared norm compared with max_norm", _shard(clip="the squared norm compared"),
+     ON_2 + r"on rank 0 of 2, with max_norm .*, above the gradient's norm .*, your shard "
+            r"changed \(×2\): clip only when the norm itself"),
     ("not clipped", _shard(clip=False),
      r"your shard was not clipped, although the gradient's norm is"),
     ("the sum of the norms", _shard(norm="sum of norms"),
