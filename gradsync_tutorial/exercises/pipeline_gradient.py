@@ -3,8 +3,8 @@ batches, n_microbatches)`` runs one ``torch.distributed.pipelining`` schedule st
 leaves in every stage's ``.grad`` the gradient of the mean loss over all the batches together.
 
 The check cuts a small float64 model into one stage per rank and runs the learner's function on
-2 ranks with 4 micro-batches × 2 steps, then at the second size with 3 × 3, on fresh random
-data. It
+2 ranks with 4 micro-batches × 2 steps, then at the second size with 3 × 3 (at N = 4 or 5
+ranks, N × 3: a step count hard-coded as 2 fails at any second size), on fresh random data. It
 compares every stage's gradient with one process's on the union batch. Each step's mean-loss
 gradient ``g_s`` is computed too, and the answer is fitted as ``Σ a_s g_s``: the coefficients
 name the mistake. The right answer has every ``a_s = 1/S`` (S steps of n micro-batches);
@@ -38,7 +38,7 @@ ROWS = 2  # rows of each micro-batch
 
 def shape_at(world_size: int) -> tuple[int, int]:
     """(n_microbatches, steps) the check uses on ``world_size`` ranks."""
-    return SHAPES.get(world_size, (world_size, 2))
+    return SHAPES.get(world_size, (world_size, 3))
 
 
 def _model(world_size: int, seed: int) -> nn.Sequential:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import ScheduleGPipe
 
 from gradsync_tutorial import exercises
-from gradsync_tutorial.exercises import ExerciseFailed
+from gradsync_tutorial.exercises import ExerciseFailed, common
 from gradsync_tutorial.exercises.pipeline_gradient import coefficients
 
 from .conftest import check
@@ -108,3 +108,23 @@ def test_coefficients_name_each_steps_weight_or_none():
     assert [round(a, 6) for a in coefficients(g[0] / 9 + g[1] / 3 + g[2], g)] == [
         round(1 / 9, 6), round(1 / 3, 6), 1.0]
     assert coefficients(torch.ones(4), g) is None  # the fourth number is in no step's gradient
+
+
+def test_a_hard_coded_number_of_steps_fails_at_4_ranks_too(monkeypatch):
+    """2 steps on 2 ranks: a loss divided by 2, not by len(batches), fails at 3 ranks (3 steps),
+    and at 4 and 5 (N micro-batches × 3 steps; they ran 2 steps before)."""
+    second = 4
+    def pipeline_gradient(stage, batches, n_microbatches):
+        schedule = ScheduleGPipe(stage, n_microbatches, scale_grads=False,
+                                 loss_fn=lambda o, t: F.mse_loss(o, t) / (n_microbatches * 2))
+        for x, y in batches:  # 2: the number of steps on 2 ranks
+            if stage.is_first:
+                schedule.step(x)
+            elif stage.is_last:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+
+    monkeypatch.setenv(common.SIZE_VARIABLE, str(second))
+    with pytest.raises(ExerciseFailed, match=rf"right on 2 ranks, but on {second} ranks: "):
+        check("pipeline_gradient")(pipeline_gradient)
