@@ -79,6 +79,7 @@ def _round(fn: Callable, rank: int, world_size: int, seed: int, round_: int) -> 
             "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
             "start": torch.cat([s.flatten() for s in start]),
             "counts": dict(calls.calls),
+            "delivered": evidence.delivered(calls.log),
             "params": evidence.changed_text(params, evidence.params_of(model),
                                             "changed the model's weights:"),
             "start_changed": evidence.changed_text(
@@ -206,7 +207,22 @@ def _wrong(run: Run, r: int, outs: list) -> str | None:
             f"difference {(got - expected).abs().max().item():.3g}), nor a usual mistake.")
 
 
-DIAGNOSES = (_not_a_list, _touched, _ranks_differ, _wrong)
+@_each_round
+def _not_carried(run: Run, r: int, outs: list) -> str | None:
+    """The values are right: did the collectives carry the pseudo-gradients' sum (or their mean
+    over the participants or over the world), numbers no rank holds alone?"""
+    start, part, _, P, N = _pieces(run, r)
+    own = P * start - part  # the participants' pseudo-gradients, summed
+    for rank, out in enumerate(outs):
+        if not any(evidence.among(own / k, out["delivered"]) for k in (1, P, N)):
+            return (f"the values are right, but on rank {rank} your collectives delivered "
+                    f"{evidence.numbers_text(out['delivered'])}, not the sum over the replicas "
+                    f"of their {own.numel()} pseudo-gradient numbers, which no rank holds alone: "
+                    "the average reached the ranks another way. All-reduce each (start - "
+                    "weights), or zeros on a healing replica.")
+
+
+DIAGNOSES = (_not_a_list, _touched, _ranks_differ, _wrong, _not_carried)
 
 
 def _verified(runs: Sequence[Run]) -> str:

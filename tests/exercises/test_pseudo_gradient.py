@@ -16,13 +16,16 @@ import torch.distributed as dist
 
 from gradsync_tutorial.exercises import ExerciseFailed
 
-from .conftest import check, solution
+from .conftest import cheat_folder, check, load_everyone, save_for_all, solution
 
 
 def _pseudo(mistake=None):
     """A learner's average_pseudo_gradient, with one mistake switched on."""
 
+    called = [0]  # this rank's calls so far: a file folder of each call's own
+
     def average_pseudo_gradient(model, start, participating):
+        called[0] += 1
         count = torch.tensor([float(participating)], dtype=torch.float64)
         dist.all_reduce(count)
         if mistake == "hard-coded world_size - 1":
@@ -43,7 +46,13 @@ def _pseudo(mistake=None):
                 pseudo = s - p.detach() if participating else torch.zeros_like(s)
             if mistake == "wrong sign":
                 pseudo = -pseudo
-            dist.all_reduce(pseudo)
+            if mistake == "through files":  # every rank's pseudo-gradient in a file
+                folder = cheat_folder(f"pseudo-{called[0]}-{len(out)}")
+                save_for_all(pseudo, folder)
+                dist.all_reduce(torch.zeros(1, dtype=torch.float64))  # for show; it waits too
+                pseudo = sum(load_everyone(folder))
+            else:
+                dist.all_reduce(pseudo)
             if mistake == "divided by the world size":
                 pseudo = pseudo / dist.get_world_size()
             elif mistake != "no division":
@@ -63,6 +72,8 @@ WRONG = {
     "hard-coded world_size - 1": r"in round 1 .*(you did not divide|× the participants' mean)",
     "mean weights": r"you returned the participants' mean weights",
     "start changed in place": r"changed `start`",
+    "through files": r"^on 2 ranks: in round 1 \(every replica takes part\), the values are "
+                     r"right, but on rank 0 your collectives delivered",
     "someone heals taken as world_size - 1": r"^right on 2 ranks, but on 3 ranks: in round 3 "
                                              r"\(ranks 0 and 2 are healing\)",
 }
