@@ -119,7 +119,8 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
                 **{f"expert.{w}": reference[f"experts.{ep_rank}.{w}"] for w in ("weight", "bias")}}
     counts = torch.bincount(whole.route(x)[1], minlength=ep).tolist()
     return {"got": _grads(named), "local": local, "expected": expected, "ep_rank": ep_rank,
-            "ep": ep, "counts": counts, "calls": dict(calls.calls)}
+            "ep": ep, "counts": counts, "calls": dict(calls.calls),
+            "delivered": evidence.delivered(calls.log)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +223,28 @@ def _expert_wrong(run: Run) -> str | None:
     return _wrong(run, "expert")
 
 
-DIAGNOSES = (_no_gradient, _dense_wrong, _expert_wrong)
+def _not_carried(run: Run) -> str | None:
+    """The values are right: did the collectives carry the dense gradients' sum over all ranks,
+    and (where a group has several ranks) the expert gradients' sum over the group (or those
+    sums divided), numbers no rank holds alone?"""
+    W, experts = run.size, ("expert.weight", "expert.bias")
+    dense = evidence.flatten(_sum(run.outs, list(range(W)), DENSE))
+    for rank, out in enumerate(run.outs):
+        edp, got = _edp_of(run, rank), out["delivered"]
+        wanted = [("dense", dense, (1, W))]
+        if len(edp) > 1:
+            wanted.append(("expert", evidence.flatten(_sum(run.outs, edp, experts)),
+                           (1, W, len(edp))))
+        for part, total, divisors in wanted:
+            if not any(evidence.among(total / k, got) for k in divisors):
+                over = "all ranks" if part == "dense" else "expert_group"
+                return (f"the values are right, but on rank {rank} your collectives delivered "
+                        f"{evidence.numbers_text(got)}, not the sum of the {part} gradients "
+                        f"over {over} ({total.numel()} numbers no rank holds alone): they "
+                        f"reached the ranks another way. all_reduce them over {over}.")
+
+
+DIAGNOSES = (_no_gradient, _dense_wrong, _expert_wrong, _not_carried)
 
 
 def _verified(runs: Sequence[Run]) -> str:

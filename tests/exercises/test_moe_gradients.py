@@ -11,9 +11,17 @@ tests/exercises/test_every_exercise.py.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from .conftest import assert_rejected, check, solution
+from .conftest import (
+    assert_rejected,
+    cheat_folder,
+    check,
+    load_everyone,
+    save_for_all,
+    solution,
+)
 
 NAME = "sync_moe_gradients"
 
@@ -29,8 +37,16 @@ def _sync(expert_over="group", expert_by="world", dense_over="world", dense_by="
         return {"world": dist.get_world_size(), "group": dist.get_world_size(group),
                 "none": 1}[by]
 
+    called = [0]  # this rank's calls so far: a file folder of each call's own
+
     def reduce(params, over, by, group):
-        for p in params:
+        for i, p in enumerate(params):
+            if over == "files":  # every rank's gradient through files, a dummy all_reduce
+                folder = cheat_folder(f"moe-{called[0]}-{i}-{len(params)}")
+                save_for_all(p.grad, folder)
+                dist.all_reduce(torch.zeros(1, dtype=p.grad.dtype))  # for show; it waits too
+                p.grad.copy_(sum(load_everyone(folder)) / dist.get_world_size())
+                continue
             where = {"world": None, "group": group}.get(over, "skip")
             if by == "avg" and where != "skip":
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=where)
@@ -40,6 +56,7 @@ def _sync(expert_over="group", expert_by="world", dense_over="world", dense_by="
             p.grad /= divisor(by, group)
 
     def sync_moe_gradients(dense_params, expert_params, expert_group):
+        called[0] += 1
         reduce(dense_params, dense_over, dense_by, expert_group)
         reduce(expert_params, expert_over, expert_by, expert_group)
         if to_none:
@@ -50,6 +67,10 @@ def _sync(expert_over="group", expert_by="world", dense_over="world", dense_by="
 
 ON_2 = r"^on 2 ranks: on rank \d, "
 WRONG = [
+    ("dense gradients through files", _sync(dense_over="files"),
+     r"^on 2 ranks: the values are right, but on rank \d your collectives delivered .*not "
+     r"the sum "
+            r"of the dense gradients over all ranks"),
     ("÷ the expert group's size", _sync(expert_by="group"),
      ON_2 + r"your expert gradients are 2× the expected ones \(EP = 2\): you divided the sum "
             r"over expert_group by its size \(1 here\), or not at all\."),
