@@ -89,10 +89,12 @@ def _worker(rank: int, world_size: int, fn: Callable) -> dict[str, Any]:
     stage = PipelineStage(mine, stage_index=rank, num_stages=world_size,
                           device=torch.device("cpu"))
     given = [(x.clone(), y.clone()) for x, y in batches]
-    common.attempt(fn, stage, given, n)
+    with evidence.Recorder(fn) as calls:
+        common.attempt(fn, stage, given, n)
     missing = [name for name, p in mine.named_parameters() if p.grad is None]
     got = None if missing else torch.cat([p.grad.flatten() for p in mine.parameters()])
     return {"got": got, "expected": expected, "per_step": per_step, "missing": missing,
+            "calls": dict(calls.calls),
             "params": evidence.changed_text(params, evidence.params_of(mine),
                                             "changed the parameters:")}
 
@@ -166,7 +168,23 @@ def _wrong_gradient(run: Run) -> str | None:
         return f"{where}: {_which_mistake(a, n, steps)}"
 
 
-DIAGNOSES = (_no_gradient, _parameters_touched, _wrong_gradient)
+#: How a schedule moves activations forward and gradients back, stage to stage.
+POINT_TO_POINT = ("batch_isend_irecv", "isend", "irecv", "send", "recv")
+
+
+def _no_schedule(run: Run) -> str | None:
+    """The gradients are right: did the stages send each other anything? A schedule sends
+    every micro-batch's activations forward and its gradients back."""
+    for rank, out in enumerate(run.outs):
+        if not any(out["calls"].get(name) for name in POINT_TO_POINT):
+            return (f"the gradients are right, but on rank {rank} (stage {rank}) nothing went "
+                    "to or from another stage through torch.distributed (collectives: "
+                    f"{evidence.calls_text(out['calls'])}): run a pipelining schedule on "
+                    "`stage`, whose step() sends the activations forward and the gradients "
+                    "back.")
+
+
+DIAGNOSES = (_no_gradient, _parameters_touched, _wrong_gradient, _no_schedule)
 
 
 def _verified(runs: Sequence[Run]) -> str:
@@ -191,11 +209,12 @@ def check_pipeline_gradient(pipeline_gradient: Callable,
     gradient of ``F.mse_loss`` over all the batches together.
 
     Every rank is given the same batches; the first stage feeds the inputs, the last the
-    targets. Runs on 2 ranks (4 micro-batches × 2 steps), then 3 (3 × 3), float64, gloo.
+    targets. Runs on 2 ranks (4 micro-batches × 2 steps), then 3 to 5 (3 × 3, N × 3), float64.
     Says so if the gradient is divided twice (a count-normalized loss with the default
     ``scale_grads=True``), not divided (a mean loss with ``scale_grads=False``), divided
     by the default at every step (accumulation across ``step()`` calls, torchtitan#1733),
-    zeroed between the steps, or if the parameters changed.
+    zeroed between the steps, if the parameters changed, or if the stages sent each other
+    nothing through torch.distributed (no schedule ran).
 
         >>> import gradsync_tutorial as gst
         >>> def pipeline_gradient(stage, batches, n_microbatches):   # default scaling: caught

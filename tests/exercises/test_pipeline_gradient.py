@@ -17,7 +17,7 @@ from gradsync_tutorial import exercises
 from gradsync_tutorial.exercises import ExerciseFailed, common
 from gradsync_tutorial.exercises.pipeline_gradient import coefficients
 
-from .conftest import check
+from .conftest import cheat_folder, check
 
 
 def _pipeline(loss="sum / all", scale_grads=False, then_divide=1, zero_between=False,
@@ -127,4 +127,39 @@ def test_a_hard_coded_number_of_steps_fails_at_4_ranks_too(monkeypatch):
 
     monkeypatch.setenv(common.SIZE_VARIABLE, str(second))
     with pytest.raises(ExerciseFailed, match=rf"right on 2 ranks, but on {second} ranks: "):
+        check("pipeline_gradient")(pipeline_gradient)
+
+
+def test_stages_that_swap_activations_through_files_are_caught():
+    """The right gradients without a schedule: each stage's activations and gradients go
+    through files, in turn, between barriers. Nothing crossed through torch.distributed."""
+    def pipeline_gradient(stage, batches, n_microbatches):
+        import os
+
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        folder = cheat_folder(f"pipe-{len(batches)}-{n_microbatches}")
+        x, y = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+        path = lambda what, r: os.path.join(folder, f"{what}{r}.pt")  # noqa: E731
+        taken = out = None
+        for turn in range(world):  # forward, stage by stage
+            if turn == rank:
+                taken = x if stage.is_first else torch.load(path("act", rank - 1))
+                taken.requires_grad_(not stage.is_first)
+                out = stage.submod(taken)
+                torch.save(out.detach(), path("act", rank))
+            dist.barrier()
+        for turn in reversed(range(world)):  # backward, last stage first
+            if turn == rank:
+                if stage.is_last:
+                    F.mse_loss(out, y).backward()
+                else:
+                    out.backward(torch.load(path("grad", rank + 1)))
+                if not stage.is_first:
+                    torch.save(taken.grad, path("grad", rank))
+            dist.barrier()
+
+    with pytest.raises(ExerciseFailed, match=r"^on 2 ranks: the gradients are right, but on "
+                                             r"rank 0 \(stage 0\) nothing went to or from"):
         check("pipeline_gradient")(pipeline_gradient)
