@@ -730,10 +730,10 @@ for label, (no_division, with_division) in three_ranks.items():
 def avg_vs_sum_then_divide(rank, world_size):
     torch.manual_seed(rank)  # each rank its own values
     t = torch.randn(10_000, device=gst.local_device())
-    summed, divided_first, averaged = t.clone(), t / world_size, t.clone()
+    summed, divided_first, averaged = t.clone(), t * (1 / world_size), t.clone()
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     summed /= world_size  # average_gradients' order: sum, then divide
-    dist.all_reduce(divided_first, op=dist.ReduceOp.SUM)  # the other order: divide, then sum
+    dist.all_reduce(divided_first, op=dist.ReduceOp.SUM)  # the other order: × 1/N, then sum
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)  # one call
     return dist.get_backend(), torch.equal(averaged, summed), torch.equal(averaged, divided_first)
 
@@ -747,8 +747,10 @@ for n in (3, WORLD_SIZE):
 
 # %% [markdown]
 # So on gloo, `AVG` gives `average_gradients`' bits: it sums first, then divides. The
-# documentation describes nccl's order, dividing first. There, when N is not a power of two, the
-# last bits may differ from `average_gradients`' (no GPU has run it here).
+# documentation describes nccl's order, dividing first. nccl multiplies each rank's float32
+# tensor by 1/N rounded to float32 (`f32 = float(1.0/comm->nRanks)` in its `src/enqueue.cc`), as
+# DDP does, then sums. The cell emulates that order. When N is not a power of two, the last bits
+# may differ from `average_gradients`' (no GPU has run it here).
 
 # %% [markdown]
 # ## Copy this into your code
