@@ -741,7 +741,7 @@ assert "divides values by the world size before summing" in dist.ReduceOp.__doc_
 for n in (3, WORLD_SIZE):
     (backend, as_sum_then_divide, as_divide_then_sum), *_ = gst.launch(avg_vs_sum_then_divide, n)
     print(f"{n} ranks, {backend}: ReduceOp.AVG equals SUM then / {n}: {as_sum_then_divide}; "
-          f"equals / {n} then SUM: {as_divide_then_sum}")
+          f"equals × 1/{n} then SUM: {as_divide_then_sum}")
     if backend == "gloo":  # what gloo does here; nccl has not run here
         assert as_sum_then_divide and as_divide_then_sum == (n != 3)
 
