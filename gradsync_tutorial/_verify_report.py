@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,12 +18,61 @@ from ._wording import plural, ranks
 from .diagnoses import fmt as _fmt
 from .diagnoses import name_factor
 
-__all__ = ["DEFAULT_RTOL", "combine", "name_factor", "needs_weights", "ranks", "report", "row",
-           "shared_factor", "verdict"]
+__all__ = ["DEFAULT_RTOL", "CannotVerify", "Report", "Row", "combine", "name_factor",
+           "needs_weights", "ranks", "report", "row", "shared_factor", "verdict"]
 
 #: The default rtol per gradient dtype: what its rounding allows on a small model.
 DEFAULT_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2,
                 torch.float16: 1e-2}
+
+
+# The report's records: verify.py hands them on (``gst.verify.Report``), this module fills them.
+
+
+class CannotVerify(ValueError):
+    """Raised on every rank together when the step cannot be checked; the message says why and
+    what to do."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One parameter: your gradient ``g`` against one process's ``r``."""
+
+    name: str
+    rel_error: float  #: ``|g - r| / |r|`` (L2 norms)
+    factor: float  #: the fitted factor ``<g, r> / <r, r>``: 1.0 when right
+    max_abs_diff: float  #: ``max |g - r|``
+    diagnosis: str  #: "exact", or what went wrong, in the course's words
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Report:
+    """What :func:`~gradsync_tutorial.verify.verify_gradients` found; the same on every rank.
+    ``print(report)`` shows a table and a one-line verdict."""
+
+    ok: bool
+    rows: tuple[Row, ...]
+    grad_norm: float  #: your total gradient norm: what ``clip_grad_norm_`` would clip
+    reference_grad_norm: float  #: one process's
+    rtol: float
+    dtype: str
+    world_size: int
+    micro_batches: int
+
+    @property
+    def worst(self) -> Row | None:
+        """The parameter with the largest relative error (a failing one first)."""
+        rows = [r for r in self.rows if not r.ok] or list(self.rows)
+        return max(rows, key=lambda r: (r.rel_error, r.max_abs_diff), default=None)
+
+    @property
+    def verdict(self) -> str:
+        """One line in plain words."""
+        return verdict(self)
+
+    def __str__(self) -> str:
+        return report(self)
 
 SHARDED_REFERENCE = (
     "reference must hold whole parameters, the model's weights before this step: this one is "
@@ -143,8 +193,6 @@ def row(name: str, s: dict, rtol: float, world_size: int, micro: int, sizes,
         shared: float | None = None, weights: dict | None = None) -> Any:
     """The :class:`~gradsync_tutorial.verify.Row` of one parameter's combined sums;
     ``shared``: the factor all wrong gradients share, if they do; ``weights``: the chunks'."""
-    from .verify import Row
-
     if not (s["mine"] and s["ref"]):
         return Row(name, *_missing(name, s, rtol))
     rel, f, diagnosis, ok = _diagnose(s, rtol, world_size, micro, sizes, shared, weights)
@@ -189,8 +237,6 @@ def combine(found: list, order: list, rtol: float | None, world_size: int, micro
             sizes: Mapping[str, int]) -> Any:
     """Every rank's findings -> the :class:`~gradsync_tutorial.verify.Report`, the same on
     every rank (or the same CannotVerify raised on every rank)."""
-    from .verify import CannotVerify, Report, Row
-
     errors = [(r, f["error"]) for r, f in enumerate(found) if f["error"]]
     if errors:
         raise CannotVerify(LOSS_FAILED.format(rank=errors[0][0], error=errors[0][1]))

@@ -52,7 +52,6 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,7 +60,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _verify_report as _report
-from ._verify_report import DEFAULT_RTOL
+from ._verify_report import DEFAULT_RTOL, CannotVerify, Report, Row
 
 __all__ = ["DEFAULT_RTOL", "CannotVerify", "Report", "Row", "clean_name", "padded",
            "verify_gradients"]
@@ -70,52 +69,6 @@ __all__ = ["DEFAULT_RTOL", "CannotVerify", "Report", "Row", "clean_name", "padde
 WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
              nn.FeatureAlphaDropout)
-
-
-class CannotVerify(ValueError):
-    """Raised on every rank together when the step cannot be checked; the message says why and
-    what to do."""
-
-
-@dataclass(frozen=True)
-class Row:
-    """One parameter: your gradient ``g`` against one process's ``r``."""
-
-    name: str
-    rel_error: float  #: ``|g - r| / |r|`` (L2 norms)
-    factor: float  #: the fitted factor ``<g, r> / <r, r>``: 1.0 when right
-    max_abs_diff: float  #: ``max |g - r|``
-    diagnosis: str  #: "exact", or what went wrong, in the course's words
-    ok: bool
-
-
-@dataclass(frozen=True)
-class Report:
-    """What :func:`verify_gradients` found; the same on every rank. ``print(report)`` shows a
-    table and a one-line verdict."""
-
-    ok: bool
-    rows: tuple[Row, ...]
-    grad_norm: float  #: your total gradient norm: what ``clip_grad_norm_`` would clip
-    reference_grad_norm: float  #: one process's
-    rtol: float
-    dtype: str
-    world_size: int
-    micro_batches: int
-
-    @property
-    def worst(self) -> Row | None:
-        """The parameter with the largest relative error (a failing one first)."""
-        rows = [r for r in self.rows if not r.ok] or list(self.rows)
-        return max(rows, key=lambda r: (r.rel_error, r.max_abs_diff), default=None)
-
-    @property
-    def verdict(self) -> str:
-        """One line in plain words."""
-        return _report.verdict(self)
-
-    def __str__(self) -> str:
-        return _report.report(self)
 
 
 # --------------------------------------------------------------------------------------------
