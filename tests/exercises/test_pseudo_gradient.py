@@ -74,8 +74,6 @@ WRONG = {
     "start changed in place": r"changed `start`",
     "through files": r"^on 2 ranks: in round 1 \(every replica takes part\), the values are "
                      r"right, but on rank 0 your collectives delivered",
-    "someone heals taken as world_size - 1": r"^right on 2 ranks, but on 3 ranks: in round 3 "
-                                             r"\(ranks 0 and 2 are healing\)",
 }
 
 
@@ -94,3 +92,11 @@ def test_a_world_size_division_passes_while_every_replica_takes_part_and_fails_w
 def test_the_right_answer_passes_at_4_ranks(capsys):
     check("average_pseudo_gradient")(solution("average_pseudo_gradient"), world_size=4)
     assert capsys.readouterr().out.startswith("✓ correct: on 4 ranks, every rank returned")
+
+
+def test_someone_heals_taken_as_world_size_minus_1_fails_when_two_heal():
+    """At 2 ranks one heals in rounds 2 and 3: N - 1 is right there. At 3, two heal in round 3."""
+    with pytest.raises(ExerciseFailed, match=r"^on 3 ranks: in round 3 \(ranks 0 and 2 are "
+                                             r"healing\)"):
+        check("average_pseudo_gradient")(_pseudo("someone heals taken as world_size - 1"),
+                                         world_size=3)

@@ -29,9 +29,8 @@ from ..conftest import REPO, pid_alive, worker_pids
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX signal dispositions")
 
 # The suite's tests that send an interrupt (tests/launcher/test_launch.py).
-INTERRUPT_TESTS = [
+INTERRUPT_TESTS = [  # one of each kind ([process] sets its disposition as [process group] does)
     "test_keyboard_interrupt_stops_every_rank",
-    "test_sigint_to_kernel_stops_ranks[process]",
     "test_sigint_to_kernel_stops_ranks[process group]",
 ]
 
@@ -108,6 +107,7 @@ gst.launch(fn, world_size=2)
 def test_kernel_started_with_sigint_ignored_still_stops_its_ranks_on_interrupt():
     """A real ipykernel, started with SIGINT ignored, interrupted as Jupyter's stop button does."""
     jupyter_client = pytest.importorskip("jupyter_client")
+    idle = set(worker_pids())  # this process's own idle workers, from tests run before
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel inherits it
     try:
         km = jupyter_client.KernelManager(kernel_name="python3")
@@ -141,4 +141,4 @@ def test_kernel_started_with_sigint_ignored_still_stops_its_ranks_on_interrupt()
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    assert worker_pids() == []
+    assert set(worker_pids()) <= idle
