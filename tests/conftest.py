@@ -108,10 +108,12 @@ def no_workers_left():
     """After the test: no worker of this process is alive, idle pool included.
 
     Idle workers that an earlier test file kept are stopped first: they are not this test's.
+    The templates stay (they are no workers): the next test's pool is forked at once, not
+    started by importing torch again (a test that needs fresh templates stops them itself).
     """
     import gradsync_tutorial as gst
 
-    gst.shutdown_workers()
+    gst.shutdown_workers(keep_templates=True)
     yield
-    gst.shutdown_workers()
+    gst.shutdown_workers(keep_templates=True)
     assert worker_pids() == []

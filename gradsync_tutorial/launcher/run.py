@@ -297,19 +297,22 @@ def _give_back(workers: pool.Workers, reuse: bool) -> None:
         extra.stop_despite_interrupts()
 
 
-def shutdown_workers() -> None:
+def shutdown_workers(keep_templates: bool = False) -> None:
     """Stop every process the launcher keeps: the idle workers kept for the next launch and,
     on Linux, the templates that fork them (all of them also stop with the kernel).
 
     Call it to free their memory, or after editing a module that your training function
     imports, so that the next launch starts fresh interpreters that import the new code (and
-    torch again: a few seconds).
+    torch again: a few seconds). ``keep_templates=True`` stops the workers only: the next
+    launch forks fresh ones at once from the templates, whose torch was imported before (a
+    test suite that wants no worker left between its tests, say).
 
         >>> import gradsync_tutorial as gst
         >>> gst.shutdown_workers()
     """
     _stop_idle_pools()
-    template.stop_all()
+    if not keep_templates:
+        template.stop_all()
 
 
 def _stop_idle_pools() -> None:

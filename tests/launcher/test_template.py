@@ -208,6 +208,15 @@ def test_shutdown_workers_stops_the_templates_too_and_a_fresh_pool_imports_again
     assert not set(_parents(2)) & set(parents)  # fresh templates: torch imported again
 
 
+def test_shutdown_workers_can_keep_the_templates_so_the_next_pool_is_forked_at_once():
+    """keep_templates=True: no worker left, and the next launch's ranks come from the same
+    templates (no new import of torch)."""
+    parents = _parents(2)
+    gst.shutdown_workers(keep_templates=True)
+    assert worker_pids() == []
+    assert _parents(2) == parents
+
+
 def test_a_failure_keeps_the_templates_so_the_next_pool_is_forked_at_once():
     gst.shutdown_workers()
     parents = _parents(2)
