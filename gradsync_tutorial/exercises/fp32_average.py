@@ -25,7 +25,7 @@ from .common import Run
 #: the other side. A second rounding in bf16 moves it by up to half a bf16 step (2^-8): it shows
 #: far from any tie. (On 2 ranks a + b rounded once is exact to bf16, so only the format of the
 #: all_reduce shows a sum in bf16.)
-TIE_WIDTH = 2.0**-18
+FLOAT32_DRIFT = 2.0**-18
 
 
 def _flat(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -150,12 +150,12 @@ def _scaled(run: Run) -> str | None:
 
 def _rounded_more_than_once(run: Run) -> str | None:
     """Every number is the exact mean rounded once to bf16, except where float32's rounding
-    tipped a mean that lies at a bf16 tie (:data:`TIE_WIDTH`)."""
+    tipped a mean that lies at a bf16 tie (by at most :data:`FLOAT32_DRIFT`)."""
     got, expected, exact = run.out["got"], _rounded_once(run), _exact_mean(run)
     # float32's rounding moves the mean by a few of its steps of the terms' size (not of the
     # mean's, which cancellation may make far smaller): any bf16 rounding of a mean moved that
     # little is rounded once. Rounding is monotone: those are the numbers between two roundings.
-    moved = TIE_WIDTH * run.out["everyone"].abs().mean(0)
+    moved = FLOAT32_DRIFT * run.out["everyone"].abs().mean(0)
     lowest, highest = ((exact + d).to(torch.bfloat16).double() for d in (-moved, moved))
     off = got != expected
     if ((got >= lowest) & (got <= highest)).all():
