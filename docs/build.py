@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import posixpath
 import re
@@ -313,39 +314,20 @@ def _glossary(course: Course, section: Section, linker: Linker) -> str:
     return "\n".join(lines).rstrip() + "\n\n```{glossary}\n" + "\n".join(entries) + "```\n"
 
 
-PART_ROW = re.compile(r"^\| \*\*(?P<caption>Part [^*|]+)\*\* \|", re.M)
-
-
 def course_parts(course: Course) -> list[tuple[str, list[str]]]:
-    """The site's navigation: the README notebook table's parts, each with its notebooks' pages.
-
-    A row ``| **Part 1 — The answer** | | |`` starts a part; the notebooks the table lists after
-    it belong to it. Notebooks in no part (a table without parts, a notebook not listed yet)
-    come last, under "The course".
-
-    >>> text = "| **Part 1 — A** | |\\n| [00 x](notebooks/00_x.ipynb) | |\\n| **Part 2 — B** | |\\n"
-    >>> [(c, len(p)) for c, p in course_parts_of(text, ["00", "01"])]
-    [('Part 1 — A', 1), ('The course', 1)]
-    """
+    """The site's navigation: the course's parts (``notebooks/course.toml``, read by
+    ``tools/course.py``, as the README's tables are), each with its notebooks' pages. A notebook
+    with no source yet (so in no part) comes last, under "The course"."""
+    spec = importlib.util.spec_from_file_location("tools_course",
+                                                  course.root / "tools" / "course.py")
+    record = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = record  # dataclasses look their module up there
+    spec.loader.exec_module(record)
     stems = {number: f"notebooks/{path.stem}" for number, path in course.notebooks.items()}
-    return [(caption, [stems[n] for n in numbers])
-            for caption, numbers in course_parts_of(_section(course, "The notebooks").text, stems)]
-
-
-def course_parts_of(table: str, numbers) -> list[tuple[str, list[str]]]:
-    """`course_parts` on the text of the README's notebook table: (caption, notebook numbers)."""
-    parts: list[tuple[str, list[str]]] = []
-    placed: set[str] = set()
-    for line in table.splitlines():
-        part = PART_ROW.match(line)
-        if part:
-            parts.append((part.group("caption").strip(), []))
-            continue
-        listed = re.search(r"\(notebooks/(\d\d)_", line)
-        if parts and listed and listed.group(1) in numbers and listed.group(1) not in placed:
-            parts[-1][1].append(listed.group(1))
-            placed.add(listed.group(1))
-    rest = [n for n in numbers if n not in placed]
+    parts = [(f"Part {i} — {part.title}", [stems[n] for n in part.notebooks if n in stems])
+             for i, part in enumerate(record.read(course.root).parts, 1)]
+    placed = {page for _, pages in parts for page in pages}
+    rest = [page for page in stems.values() if page not in placed]  # no source yet
     return [(c, p) for c, p in parts if p] + ([("The course", rest)] if rest else [])
 
 

@@ -30,6 +30,7 @@ def tool(name: str):
     """``tools/NAME.py``, a maintainer's script (not a package), loaded as a module."""
     spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -186,6 +186,18 @@ def test_every_glossary_term_is_defined_once():
     assert not twice, f"docs/glossary.md defines {twice} more than once: keep one entry"
 
 
+def test_the_glossary_is_in_the_order_the_notebooks_need_its_terms():
+    """Each entry names the notebook that teaches it; read top to bottom, those never go back, so
+    no term is defined after one that a later notebook needs (entries that name none, the first
+    words of notebook 00, come first)."""
+    glossary = (REPO / "docs" / "glossary.md").read_text(encoding="utf-8")
+    entries = re.findall(r"^- \*\*([^*]+)\*\*:?(.*)$", glossary, re.M)
+    taught = [(term, min(mentioned(text), default="00")) for term, text in entries]
+    back = [f"{term} (notebook {n}) after {before} (notebook {m})"
+            for (before, m), (term, n) in zip(taught, taught[1:], strict=False) if n < m]
+    assert not back, f"docs/glossary.md goes back: {back}; move each entry up"
+
+
 def _quoted_rule(text: str, prefix: str = "") -> str | None:
     """The blockquote that opens with "**The rule.**" in ``text`` (lines ``prefix> ...``),
     whitespace folded; None if there is none."""

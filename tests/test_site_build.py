@@ -34,14 +34,19 @@ site = _load(REPO / "docs" / "build.py", "site_build")
 
 @pytest.fixture
 def course(tmp_path):
-    """A copy of what the site is made from: the README, its guides, the notebooks, the images."""
+    """A copy of what the site is made from: the README, its guides, the notebooks, the images,
+    the course record and its reader (the site's parts)."""
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    (tmp_path / "tools").mkdir()
+    shutil.copy(REPO / "tools" / "course.py", tmp_path / "tools" / "course.py")
+    (tmp_path / "gradsync_tutorial").mkdir()  # the run times the README's tables show
+    shutil.copy(REPO / "gradsync_tutorial" / "reference_times.json", tmp_path / "gradsync_tutorial")
     shutil.copytree(REPO / "images", tmp_path / "images")
     (tmp_path / "docs").mkdir()
     for guide in sorted((REPO / "docs").glob("*.md")):
         shutil.copy(guide, tmp_path / "docs" / guide.name)
     (tmp_path / "notebooks").mkdir()
-    for path in [*paths("ipynb"), *paths("source")]:
+    for path in [*paths("ipynb"), *paths("source"), REPO / "notebooks" / "course.toml"]:
         shutil.copy(path, tmp_path / "notebooks" / path.name)
     return tmp_path
 

@@ -11,7 +11,8 @@ run with another URL replaces what the first wrote):
 * each notebook gets a first code cell that installs the helper package from the repository,
   **only on Colab** (``"google.colab" in sys.modules``); elsewhere it does nothing, so the same
   notebook still runs on a laptop, in CI and in a workshop without wifi;
-* the README's notebook table gets the same badges.
+* the README's notebook table gets the same badges (written again by ``tools/course.py``,
+  which takes each row's badge from its notebook's title cell).
 
 On Colab the rest works as it does on a laptop: the data comes through torchvision's download,
 the ranks run on the runtime's CPU cores with gloo, or on its GPU (nccl needs one GPU per rank, so
@@ -24,6 +25,7 @@ source, ``notebooks/NN_*.py``, gets the same changes, so the two stay in sync. I
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -109,20 +111,15 @@ def _add(nb: nbformat.NotebookNode, path: Path, owner: str, name: str, branch: s
     nb.cells = cells[:first_code] + [setup] + cells[first_code:]
 
 
-def add_to_readme(readme: Path, owner: str, name: str, branch: str) -> int:
-    """A badge after each notebook's link in the README's table; returns how many rows got one."""
-    rows = 0
-    lines = []
-    for line in readme.read_text().splitlines(keepends=True):
-        match = re.match(r"^\| \[[^\]]+\]\((notebooks/[0-9][0-9]_[^)]+\.ipynb)\)", line)
-        if match:
-            first, sep, rest = line[1:].partition(" |")
-            first = _BADGE.sub("", first)
-            line = f"|{first} {badge(owner, name, branch, match.group(1))}{sep}{rest}"
-            rows += 1
-        lines.append(line)
-    readme.write_text("".join(lines))
-    return rows
+def add_to_readme(root: Path) -> int:
+    """The README's notebook table written again (``tools/course.py``): each row takes the badge
+    of its notebook's title cell. Returns how many rows have one."""
+    spec = importlib.util.spec_from_file_location("tools_course", root / "tools" / "course.py")
+    course = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = course  # dataclasses look their module up there
+    spec.loader.exec_module(course)
+    (root / "README.md").write_text(course.readme(root), encoding="utf-8")
+    return sum(1 for nb in course.read(root).notebooks.values() if nb.badge)
 
 
 def main(argv: list[str] | None = None, root: Path = REPO) -> int:
@@ -141,7 +138,7 @@ def main(argv: list[str] | None = None, root: Path = REPO) -> int:
         parser.error(f"no notebooks/NN_*.ipynb under {root}: run this from the repository")
     for path in notebooks:
         add_to_notebook(path, owner, name, args.branch, root)
-    rows = add_to_readme(root / "README.md", owner, name, args.branch)
+    rows = add_to_readme(root)
     print(f"{len(notebooks)} notebooks and {rows} README rows now open in Colab from "
           f"https://github.com/{owner}/{name}/tree/{args.branch}")
     print("Next: re-execute the notebooks (make notebooks: the install cell has no output yet), "

@@ -20,14 +20,10 @@ outputs come from the same run), then the epoch estimate again. Every notebook f
 ``notebooks/`` is timed, so a new one (07, 08, ...) is picked up by itself. The run is
 recorded in ``gradsync_tutorial/reference_times.json`` (each notebook's seconds, the epoch's,
 the machine, its load average before and after), the one record of these facts: the doctor
-(``gradsync_tutorial.doctor.REFERENCE_SECONDS``) reads it as it is, and ``--write`` renders the
-README from it:
-
-* README.md: the last column of the notebook table (a notebook without a row gets one, its
-  title and question taken from the notebook's first cell), the line under the table that says
-  when and where the run was made, and the last column of every other table row that names
-  notebooks ("notebooks 00 to 03") and ends in a run time: the parts and the agendas, each the
-  total of its notebooks.
+(``gradsync_tutorial.doctor.REFERENCE_SECONDS``) reads it as it is, and ``--write`` writes the
+README's tables from it and from ``notebooks/course.toml`` (``tools/course.py``): each notebook's
+time, each part's and each agenda's total, and the line under the notebook table that says when
+and where the run was made.
 
 ``--only NN`` (``make times NB=NN``) times one notebook, with the epoch estimate before and
 after it, and merges its time into the record: the other notebooks keep theirs, and the record
@@ -47,14 +43,12 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from gradsync_tutorial._wording import duration
-from gradsync_tutorial.notebooks import mentioned, paths
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,21 +57,23 @@ README = REPO / "README.md"
 BUDGET_EACH, BUDGET_CORE = 120, 8 * 60  # seconds: each notebook; notebooks 00 to 06 together
 CORE = [f"{n:02d}" for n in range(7)]  # the notebooks the 8-minute budget is for
 
-# | [02 Manual ...](notebooks/02_manual_allreduce_averaging.ipynb) | question | 2 min 10 s |
-TABLE_ROW = re.compile(r"^\| \[(\d\d) [^]]*\]\(notebooks/(\d\d_\w+\.ipynb)\) \|(.*)\| ([^|]+) \|$",
-                       re.M)
-# | Part 1: notebooks 00 to 03 | everyone | 2 min 35 s |: any other row whose last cell is a
-# run time and that names notebooks gets their total
-SUM_ROW = re.compile(r"^\|(.*)\| (\d+ min(?: \d+ s)?|\d+ s) \|$", re.M)
-RUN_LINE = re.compile(r"^Measured in one run by `make times`.*$", re.M)
+def _tool(name: str):
+    """``tools/NAME.py``, loaded from the folder this script is in (tools are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def _notebooks_script():
-    """tools/build_notebooks.py (the build), loaded from the folder this script is in."""
-    spec = importlib.util.spec_from_file_location("notebooks_script", HERE / "build_notebooks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """tools/build_notebooks.py: the build."""
+    return _tool("build_notebooks")
+
+
+def _course():
+    """tools/course.py: the README's tables, written from notebooks/course.toml."""
+    return _tool("course")
 
 
 
@@ -199,89 +195,9 @@ def _load() -> float | None:
         return None
 
 
-def run_line(record: dict) -> str:
-    m = record["machine"]
-    core = sum(s for name, s in record["notebooks"].items() if name[:2] in CORE)
-    load = ("" if m["load_before"] is None else
-            f", load average {m['load_before']:g} before and {m['load_after']:g} after")
-    alone = "".join(
-        f" Notebook {name[:2]} was timed alone by `make times NB={name[:2]}` ({t['measured']}"
-        + ("" if t["load_before"] is None else f", load average {t['load_before']:g} before")
-        + ")." for name, t in sorted(record.get("timed alone", {}).items()))
-    return (f"Measured in one run by `make times` ({record['measured']}, {m['cores']} cores, "
-            f"{m['gpus']} GPUs{load}): notebooks 00 to 06 take {duration(round(core))} in all."
-            + alone)
-
-
-def render_readme(text: str, record: dict, notebooks: dict[str, str]) -> str:
-    """The README with the record's times in its table; rows added for new notebooks.
-
-    ``notebooks``: file name -> the notebook's first cell (for a new row's title and question).
-    """
-    rows = {m.group(2): m for m in TABLE_ROW.finditer(text)}
-    missing = [name for name in record["notebooks"] if name not in rows and name in notebooks]
-    for name in missing:  # after the row of the notebook before it
-        before = [n for n in rows if n < name]
-        anchor = rows[max(before)] if before else None
-        new = _new_row(name, notebooks[name], record["notebooks"][name])
-        at = anchor.end() if anchor else None
-        if at is None:
-            raise SystemExit("README.md has no notebook table to add a row to")
-        text = text[:at] + "\n" + new + text[at:]
-        rows = {m.group(2): m for m in TABLE_ROW.finditer(text)}
-
-    def timed(match: re.Match) -> str:
-        name = match.group(2)
-        if name not in record["notebooks"]:
-            raise SystemExit(f"README.md has a row for {name}, which the record does not time: "
-                             "measure again (make times)")
-        seconds = round(record["notebooks"][name])
-        return match.group(0)[: match.start(4) - match.start(0)] + f"{duration(seconds)} |"
-
-    text = TABLE_ROW.sub(timed, text)
-    text = SUM_ROW.sub(lambda match: _summed(match, record), text)
-    line = run_line(record)
-    if RUN_LINE.search(text):
-        text = RUN_LINE.sub(lambda _: line, text, count=1)
-    else:  # the first time: right under the table
-        last = list(TABLE_ROW.finditer(text))[-1]
-        text = text[: last.end()] + "\n\n" + line + text[last.end():]
-    return text
-
-
-def _summed(match: re.Match, record: dict) -> str:
-    """A table row that names notebooks (a part, an agenda) with their total run time."""
-    if TABLE_ROW.match(match.group(0)):
-        return match.group(0)
-    numbers = set(mentioned(match.group(1)))
-    times = [s for name, s in record["notebooks"].items() if name[:2] in numbers]
-    if not numbers or not times:
-        return match.group(0)
-    return f"|{match.group(1)}| {duration(round(sum(times)))} |"
-
-
-def _new_row(name: str, first_cell: str, seconds: float) -> str:
-    heading = re.search(r"^#\s*(\d\d)\s*[—-]+\s*(.+)$", first_cell, re.M)
-    question = re.search(r"\*\*Question:\s*(.+?)\*\*", first_cell, re.S)
-    title = f"{heading.group(1)} {heading.group(2).strip()}" if heading else name[:2]
-    asks = " ".join(question.group(1).split()) if question else ""
-    return f"| [{title}](notebooks/{name}) | {asks} | {duration(round(seconds))} |"
-
-
-def first_cells(root: Path = REPO) -> dict[str, str]:
-    """Each notebook's first cell (markdown), read from its source: for new README rows."""
-    found = {}
-    for source in paths("source", root):
-        text = source.read_text(encoding="utf-8")
-        cells = re.split(r"^# %%.*$", text, flags=re.M)
-        first = next((c for c in cells if c.strip()), "")
-        found[source.with_suffix(".ipynb").name] = re.sub(r"^# ?", "", first, flags=re.M)
-    return found
-
-
 def rendered(record: dict) -> str:
-    """README.md as the record says it should read."""
-    return render_readme(README.read_text(encoding="utf-8"), record, first_cells())
+    """README.md as the record says it should read (``tools/course.py`` writes its tables)."""
+    return _course().readme(REPO, record)
 
 
 def budget(record: dict) -> list[str]:

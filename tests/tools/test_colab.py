@@ -20,9 +20,12 @@ colab = tool("colab")
 
 @pytest.fixture
 def course(tmp_path):
-    """A copy of the README, the notebooks and their sources, for the script to change."""
-    shutil.copy(REPO / "README.md", tmp_path / "README.md")
-    (tmp_path / "notebooks").mkdir()
+    """A copy of the README, the notebooks and their sources, for the script to change, and
+    what the README's tables are written from (the course record, its writer, the times)."""
+    for name in ("README.md", "notebooks/course.toml", "tools/course.py",
+                 "gradsync_tutorial/reference_times.json"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
     for path in colab.course_notebooks(REPO):
         shutil.copy(path, tmp_path / "notebooks" / path.name)
         shutil.copy(path.with_suffix(".py"), tmp_path / "notebooks" / f"{path.stem}.py")

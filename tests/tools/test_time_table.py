@@ -2,7 +2,8 @@
 
 ``make times`` (``tools/time_table.py``) executes every notebook in one run and records the
 times in ``gradsync_tutorial/reference_times.json``, which the doctor reads as it is; the
-README's table is written from that record. These tests
+README's tables are written from that record and ``notebooks/course.toml`` (``tools/course.py``,
+tested in ``test_course_record.py``). These tests
 fail when either file says something else (a figure typed by hand, a notebook added without
 measuring again), and check the writer on small examples. Nothing here executes a notebook.
 """
@@ -59,28 +60,9 @@ def test_durations_read_back_as_the_seconds_they_were_written_from():
 RUN = {"measured": "2026-12-01 20:00 UTC", "epoch_seconds": 5.0,
        "machine": {"cores": 2, "gpus": 0, "load_before": 0.1, "load_after": 0.2},
        "notebooks": {"00_a.ipynb": 19.4, "01_b.ipynb": 130.6, "07_new.ipynb": 61.0}}
-README = """# x
-
-| notebook | the question it answers | full run, 2-core CPU |
-|---|---|---|
-| [00 A](notebooks/00_a.ipynb) | How? | 40 s |
-| [01 B](notebooks/01_b.ipynb) | Why? | 35 s |
-
-More text.
-"""
 
 
-def test_a_run_writes_the_times_and_a_row_for_a_new_notebook():
-    first = {"07_new.ipynb": "# 07 — Which mean?\n\n**Question: what is the mean\nover?**\n"}
-    text = table.render_readme(README, RUN, first)
-    assert "| [00 A](notebooks/00_a.ipynb) | How? | 19 s |" in text
-    assert "| [01 B](notebooks/01_b.ipynb) | Why? | 2 min 11 s |" in text
-    rows = text.splitlines()
-    new = rows.index("| [07 Which mean?](notebooks/07_new.ipynb) | what is the mean over? | "
-                     "1 min 1 s |")
-    assert rows[new - 1].startswith("| [01 B]")  # in course order
-    assert table.run_line(RUN) in text and "notebooks 00 to 06 take 2 min 30 s" in text
-    assert table.render_readme(text, RUN, first) == text  # writing twice changes nothing
+def test_the_budget_names_a_notebook_over_it():
     assert table.budget(RUN) == ["each notebook <= 2 min: NOT met (01_b.ipynb 2 min 11 s)",
                                  "notebooks 00 to 06 <= 8 min: 2 min 30 s, met"]
 
@@ -104,32 +86,5 @@ def test_a_notebook_timed_alone_is_merged_and_said_under_the_table(record):
         record["notebooks"]
     assert merged["timed alone"]["99_new.ipynb"]["load_before"] == 0.3
     assert ("Notebook 99 was timed alone by `make times NB=99` (2026-12-06 04:00 UTC, load "
-            "average 0.3 before).") in table.run_line(merged)
+            "average 0.3 before).") in table._course().run_line(merged)
     assert "99_new.ipynb" not in record["notebooks"]  # the record itself is left alone
-
-
-def _table_after(heading: str, first_cell: str) -> list[str]:
-    """The rows of the README table under ``heading`` whose first cell starts ``first_cell``."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
-    return [line for line in section.splitlines()
-            if line.startswith("| ") and line[2:].startswith(first_cell)]
-
-
-def test_every_notebook_is_in_exactly_one_part_and_in_an_agenda():
-    """A new notebook must be placed: in one part (the parts do not overlap), and in at least
-    one workshop agenda. Else it silently drops out of both totals."""
-    from gradsync_tutorial.notebooks import mentioned
-
-    numbers = [name[:2] for name in NOTEBOOKS]
-    parts = [mentioned(row.split("|")[1]) for row in _table_after("## Who needs which part",
-                                                                   "Part ")]
-    assert parts, "no part rows found under '## Who needs which part'"
-    placed = [n for part in parts for n in part]
-    assert sorted(placed) == numbers, (
-        f"each notebook in exactly one part: the parts name {sorted(placed)}, "
-        f"the notebooks are {numbers}")
-    agendas = {n for row in _table_after("## Teaching a workshop", "")
-               for n in mentioned(row.split("|")[2])}
-    missing = [n for n in numbers if n not in agendas]
-    assert not missing, f"notebooks in no workshop agenda: {missing}"
