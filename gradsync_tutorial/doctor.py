@@ -25,8 +25,8 @@ skipped when the docstrings run as tests: it takes ~15 s and its output is the m
     Ready: every check passed.
     0
 
-Each check is a function returning :class:`Check`, so tests can call them one by one (about
-480 lines: nine checks, each with the fix it prints, in one place an instructor can read). Not
+Each check is a function returning :class:`Check`, so tests can call them one by one (nine
+checks, each with the fix it prints, in one place an instructor can read). Not
 taught in a notebook: it is run once, before the course (``make doctor``).
 """
 

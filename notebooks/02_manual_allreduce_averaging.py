@@ -318,8 +318,8 @@ fig = gst.plots.plot_loss_curves(
 # * **Dropout.** Every rank seeds the same generator, so rank 1 draws the same masks for its 128
 #   samples as rank 0 for its own. One process draws 256 different masks, so the runs train
 #   different sub-networks. `dropout=False` turns dropout off. This notebook keeps one seed for the
-#   equalities. The scripts and the snippets, 02's below included, seed `SEED + rank` after building
-#   the model, so that each rank draws its own masks.
+#   equalities. The scripts and the snippets whose model has dropout, 02's below included, seed
+#   `SEED + rank` after building the model, so that each rank draws its own masks.
 # * **Rounding.** Float addition is not associative. A batch of 256 is summed in another order than
 #   two of 128; the step above showed that difference after one step. Training carries such
 #   differences into every later step. `dtype=torch.float64` makes each rounding error 2^29 (about 5
@@ -773,7 +773,7 @@ for n in (3, WORLD_SIZE):
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn

@@ -395,6 +395,9 @@ assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the a
 #     --rdzv-id my-job scripts/train_ddp.py --checkpoint ckpt.pt --resume
 # ```
 #
+# Put `ckpt.pt` on a file system every machine sees (NFS, Lustre). Rank 0 decides to resume, and
+# then every rank loads the file: on a machine of its own disk, a rank finds none and stops.
+#
 # Two agents on this one machine are two "machines" as far as torch is concerned. So we can check
 # that the result does not depend on how the ranks are spread. 2 agents with `WORLD_SIZE / 2` ranks
 # each must give what 1 agent with `WORLD_SIZE` ranks gave. `is_host` says which agent hosts the
@@ -512,7 +515,7 @@ print("without @record, the summary has no traceback: the error is only in the w
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn

@@ -598,9 +598,8 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 
 # %% [markdown]
 # These steps last a few milliseconds, so one more collective is a visible share of them. Its bytes
-# do not grow with the model: one number. Its time is latency and waiting. On a machine shared with
-# other programs, that time jumps from run to run (compare the two widths above). So time your own
-# step to see yours: the longer the step, the smaller the share. The torchtitan trainer keeps the
+# do not grow with the model: one number. Its time is latency and waiting, which this machine's
+# neighbours change from run to run. So time your own step to see yours: the longer the step, the smaller the share. The torchtitan trainer keeps the
 # count on the GPU, to avoid a CPU synchronization (quoted below).
 #
 # ## How the frameworks spell it
@@ -690,7 +689,7 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn

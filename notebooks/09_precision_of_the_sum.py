@@ -13,32 +13,6 @@
 # | bf16 | about 2e-3 | about 2e-2 |
 # | fp16 | about 3e-4 | about 2e-3 |
 # | fp32 | below 1e-6 | below 1e-6 |
-#
-# | setup | where the sum is |
-# |---|---|
-# | `torch.autocast` alone (its gradients are float32) | float32 |
-# | FSDP2 with `reduce_dtype=torch.float32` | float32 |
-# | DDP's `bf16_compress_hook` and `fp16_compress_hook`, a model converted to bf16 | 16 bits |
-# | a model converted to bf16, with a hook that casts each bucket to float32 (section 3) | float32 |
-#
-# Why: a sum in a 16-bit format rounds at every addition. In a ring all-reduce every rank adds its
-# gradient to a running sum, so the error grows with N. fp16 has 3 more bits than bf16, but a range
-# that ends at 65,504. When the reduction itself is in fp16, a sum of loss-scaled gradients
-# overflows. That happens with an fp16 model, `fp16_compress_hook`, or FSDP2's
-# `reduce_dtype=torch.float16`. Dividing by N first loses the small gradients at small scales.
-# FSDP's split, about √N before the sum and the rest after, avoids both here.
-#
-# In a short training run, the loss does not notice at 64 or 256 ranks; the parameters do. With
-# fp16's `GradScaler`, unscale before clipping. The other order runs without a message and does not
-# train. And PowerSGD, a compression hook, is not an average at all.
-#
-# Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32 that
-# sum is exact to about 1e-7. The gradients may instead be sent in 16 bits, for half the bytes.
-# FSDP2 does it by default when it computes in bf16 (section 3). The backend then also *adds* them
-# in 16 bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training
-# would become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16`
-# resolved the issue". With their settings, None meant full precision
-# ([pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 
 # %%
 import os
@@ -67,6 +41,35 @@ DEVICE = gst.local_device()  # this process's emulations run here: a GPU if ther
 FORMATS = (torch.float32, torch.bfloat16, torch.float16)
 NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
         torch.float16: "fp16"}
+
+# %% [markdown]
+# ## Where the sum is, and why it drifts
+#
+# | setup | where the sum is |
+# |---|---|
+# | `torch.autocast` alone (its gradients are float32) | float32 |
+# | FSDP2 with `reduce_dtype=torch.float32` | float32 |
+# | DDP's `bf16_compress_hook` and `fp16_compress_hook`, a model converted to bf16 | 16 bits |
+# | a model converted to bf16, with a hook that casts each bucket to float32 (section 3) | float32 |
+#
+# Why: a sum in a 16-bit format rounds at every addition. In a ring all-reduce every rank adds its
+# gradient to a running sum, so the error grows with N. fp16 has 3 more bits than bf16, but a range
+# that ends at 65,504. When the reduction itself is in fp16, a sum of loss-scaled gradients
+# overflows. That happens with an fp16 model, `fp16_compress_hook`, or FSDP2's
+# `reduce_dtype=torch.float16`. Dividing by N first loses the small gradients at small scales.
+# FSDP's split, about √N before the sum and the rest after, avoids both here.
+#
+# In a short training run, the loss does not notice at 64 or 256 ranks; the parameters do. With
+# fp16's `GradScaler`, unscale before clipping. The other order runs without a message and does not
+# train. And PowerSGD, a compression hook, is not an average at all.
+#
+# Notebook 02's `average_gradients` sums the N ranks' gradients, then divides by N. In float32 that
+# sum is exact to about 1e-7. The gradients may instead be sent in 16 bits, for half the bytes.
+# FSDP2 does it by default when it computes in bf16 (section 3). The backend then also *adds* them
+# in 16 bits. One report comes from FSDP users. A model "trained well on 12x8 GPUs, but the training
+# would become unstable on 48x8 GPUs", and "changing `reduce_dtype` to `None` instead of `bf16`
+# resolved the issue". With their settings, None meant full precision
+# ([pytorch#106395](https://github.com/pytorch/pytorch/issues/106395)).
 
 # %% [markdown]
 # ## Three formats, and what a sum does to them
@@ -423,10 +426,25 @@ print(f"sum, then / 256: {skipped} skipped steps, scale 2^16 -> 2^{math.log2(sca
 assert skipped >= 1 and largest_safe(first) <= scale < 4 * largest_safe(first)
 
 # %% [markdown]
-# Each halving loses one bit at the bottom, in backward. Dividing by 256 first overflows no earlier than
-# the cast of each gradient to fp16 itself; so does the split. But at small scales it loses the
-# small gradients. The split has the good end of each: the top of dividing first, the bottom of
-# summing first.
+# Each halving moves every gradient one binade down, so more of the smallest round to 0 in fp16.
+# Dividing by 256 first overflows at the scale where casting each gradient to fp16 already does,
+# on this grid of scales; so does the split. The cell counts both:
+
+# %%
+def cast_overflows(scale):  # each rank's gradient, cast to fp16 before any sum
+    return not (grads * scale).to(torch.float16).isfinite().all()
+
+
+cast_safe = max(s for s in SCALES if not cast_overflows(s))
+zeros = [int(((grads * s).to(torch.float16) == 0).sum() - (grads == 0).sum()) for s in (SCALE, scale)]
+print(f"the cast alone: nothing overflows up to 2^{math.log2(cast_safe):.0f}; gradients that "
+      f"round to 0 in fp16: {zeros[0]:,} at 2^16, {zeros[1]:,} at 2^{math.log2(scale):.0f}")
+assert largest_safe(divide_first) == largest_safe(split) == cast_safe
+assert zeros[1] > zeros[0]
+
+# %% [markdown]
+# But at small scales dividing first loses the small gradients. The split has the good end of
+# each: the top of dividing first, the bottom of summing first.
 #
 # bf16 needs none of this. FSDP2 divides before the sum only for the other formats: fp16, and
 # float64 (notebook 08's table of divide factors). The same file says: "For fp32/bf16, we do not
@@ -967,7 +985,7 @@ assert ef["running"][-1] < 0.75 * no_ef["running"][-1] and ef["running"][-1] > 0
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn

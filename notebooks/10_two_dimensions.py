@@ -757,7 +757,7 @@ assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # from torch import nn
 # from torch.distributed.device_mesh import init_device_mesh

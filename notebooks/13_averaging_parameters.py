@@ -328,7 +328,7 @@ assert same_as_torch <= 1e-14
 # states". Adam's gap is there at K = 1 already: it comes from the per-rank scale, not from the
 # interval. The loss does not tell which run is right; here momentum's local runs even end
 # lower. They are another training, and the distance measures how far. The averaging rounds
-# fall as 16 / K: that saving is why people accept the drift.
+# fall as 16 / K: that saving is what the drift buys.
 
 # %%
 fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -455,7 +455,7 @@ for name in OUTER:
 # **healing**: it loads the weights from a peer and sends nothing useful this step. torchft's
 # `Manager.allreduce` handles it in three moves: `if not self.is_participating():
 # tensor.zero_()`, a `ReduceOp.SUM` all-reduce, then `tensor /= self.num_participants()`
-# ([torchft/manager.py](https://github.com/meta-pytorch/torchft/blob/main/torchft/manager.py)).
+# ([torchft/manager.py](https://github.com/meta-pytorch/torchft/blob/c71bbbcc41c9eb56dc78246bc0851027763d8a7b/torchft/manager.py), at the commit quoted).
 # The same three moves here, the count of participants all-reduced too:
 
 # %%
@@ -548,7 +548,7 @@ assert torch.allclose(shrunk, theta0 * (WORLD_SIZE - 1) / WORLD_SIZE, rtol=1e-13
 # import torch
 # import torch.distributed as dist
 #
-# # now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# # before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 # import torch.distributed.nn  # noqa: F401
 # import torch.nn.functional as F
 # from torch import nn

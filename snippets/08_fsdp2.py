@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 import torch.distributed.nn  # noqa: F401
 import torch.nn.functional as F
 from torch import nn

@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-# now, not after init_process_group (DDP would): its group=WORLD defaults hold gloo open at exit
+# before init_process_group: imported later (by DDP), gloo may abort at exit (see notebook 06)
 import torch.distributed.nn  # noqa: F401
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -180,6 +180,25 @@ def test_every_snippet_and_script_joins_the_group_with_notebook_06s_init_distrib
     assert "init_distributed()" in _source_of(path, "main")
 
 
+# torch.manual_seed(SEED + rank), torch.manual_seed(args.seed + rank), torch.manual_seed(0 + rank)
+RANK_SEED = re.compile(r"torch\.manual_seed\([\w.]+ \+ rank\)")
+
+
+@pytest.mark.parametrize("path", SNIPPETS + SCRIPTS, ids=lambda p: p.name)
+def test_a_model_with_dropout_is_reseeded_per_rank_after_it_is_built(path):
+    """Notebook 02 says so: the model is built with the same weights on every rank (one seed, or
+    DDP's broadcast), then each rank seeds ``SEED + rank`` so that its dropout masks are its own
+    (not rank 0's, repeated)."""
+    source = path.read_text(encoding="utf-8")
+    if "dropout" not in source.lower():  # neither a model with dropout nor code ready for one
+        return
+    reseed = RANK_SEED.search(source)
+    assert reseed, f"{path.name} trains with dropout and never seeds SEED + rank"
+    built = re.search(r"^\s+model = ", source, re.M)
+    assert built and built.start() < reseed.start(), (
+        f"{path.name} seeds SEED + rank before it builds the model: the ranks' weights differ")
+
+
 GPU_RULE_CASES = [  # GPUs on the machine, LOCAL_RANK, LOCAL_WORLD_SIZE -> backend, device
     (0, 0, 1, "gloo", "cpu"),        # a laptop
     (0, 1, 2, "gloo", "cpu"),

@@ -153,3 +153,20 @@ def test_training_function_with_args_as_accelerate_launches_it():
     training_function = cv["training_function"]
     ours = gst.launch(lambda rank, world_size: training_function(config, args), world_size=2)
     assert [s["num_processes"] for s in ours] == [2, 2]
+
+
+def _docs_block(heading: str) -> str:
+    """The first python block under ``heading`` in docs/launcher.md, as a reader copies it."""
+    text = (REPO / "docs" / "launcher.md").read_text(encoding="utf-8")
+    section = text.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"^```python\n(.*?)^```$", section, re.M | re.S).group(1)
+
+
+def test_torchft_replica_groups_of_one_rank_average_over_the_participants():
+    """docs/launcher.md's recipe, run as written: each rank its own replica group, the mean of
+    the ranks' tensors over the 2 participants (torchft's Manager.allreduce: SUM, then / n)."""
+    pytest.importorskip("torchft")
+    results = cell(_docs_block("## Replica groups: torchft"))["results"]
+    assert [n for _, n in results] == [2, 2]
+    for grad, _ in results:
+        assert grad.tolist() == [0.5, 0.5, 0.5]
