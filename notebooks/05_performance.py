@@ -270,8 +270,8 @@ print(f"what it costs on this machine: a fresh buffer every step is {slower:.1f}
 # %% [markdown]
 # ## 3. Buckets
 #
-# One buffer for a 10-GB model would double its gradient memory. It could only be sent after the
-# *whole* backward. So DDP cuts the parameters into buckets of about `bucket_cap_mb` (25 MiB by
+# One flat buffer for every gradient is a second copy of them: for a 10-GB model, 10 GB more. It
+# could only be sent after the *whole* backward. So DDP cuts the parameters into buckets of about `bucket_cap_mb` (25 MiB by
 # default). It fills them **last layer first**, since backward produces the last layer's gradients
 # first.
 

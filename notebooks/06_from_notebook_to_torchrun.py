@@ -9,8 +9,9 @@
 # that a failing rank's traceback reaches torchrun's error summary.
 #
 # Notebooks 00 to 05 launch functions from cells with `gst.launch`. Real jobs run under `torchrun`,
-# PyTorch's own launcher. On a cluster, SLURM or Kubernetes starts one `torchrun` per machine.
-# `torchrun` gives every process the environment that `gst.launch` gave your function.
+# PyTorch's own launcher. On a cluster, a scheduler (SLURM, Kubernetes) starts one `torchrun` per
+# machine (`docs/cluster.md` has the commands). `torchrun` gives every process the environment
+# that `gst.launch` gave your function.
 #
 # This notebook runs the course's script `scripts/train_ddp.py` with torchrun, from here. It checks
 # four things with numbers:

@@ -550,11 +550,11 @@ assert unequal_micro["per micro-batch"][torch.float64]["off"][0] > 1e-2
 # ## What counting costs
 #
 # Counting costs one `all_reduce` of one number per step (section 2 counted it), whatever the size
-# of the model. In time, that is one small collective's latency (notebook 05's α). It is also one
-# more point where every rank waits for the others. Measured side by side: whole steps (forward,
-# backward, DDP, SGD) with the per-rank mean and with the global count, interleaved. The models are
-# the lesson's (width 16) and a wider one (width 512, with a hidden layer), in float32, with 2
-# micro-batches.
+# of the model. In time, that is at least one small collective's latency (notebook 05's α). It is
+# also one more point where every rank waits for the slowest, so it can cost more. Measured side
+# by side: whole steps (forward, backward, DDP, SGD) with the per-rank mean and with the global
+# count, interleaved. The models are the lesson's (width 16) and a wider one (width 512, with a
+# hidden layer), in float32, with 2 micro-batches.
 
 # %%
 def time_steps(rank, world_size, width, steps):

@@ -280,8 +280,8 @@ assert max((r["got"] - r["whole"]).abs().max().item() for r in default) > 0.01
 # %% [markdown]
 # The default's result is `g1/4 + g2`, where the mean of the two halves is `(g1 + g2)/2`. The fix
 # divides once, in the loss: each micro-batch's sum over the element count of **both** steps, with
-# `scale_grads=False`. It is exact. For equal micro-batches, a mean loss divided by `n_microbatches`
-# × the number of steps works too.
+# `scale_grads=False`. It is exact. For equal micro-batches, still with `scale_grads=False`, a mean
+# loss divided by `n_microbatches` × the number of steps works too.
 
 # %% [markdown]
 # ## Token counts: where the global count enters
