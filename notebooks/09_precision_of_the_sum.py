@@ -426,21 +426,28 @@ print(f"sum, then / 256: {skipped} skipped steps, scale 2^16 -> 2^{math.log2(sca
 assert skipped >= 1 and largest_safe(first) <= scale < 4 * largest_safe(first)
 
 # %% [markdown]
-# Each halving moves every gradient one binade down, so more of the smallest round to 0 in fp16.
-# Dividing by 256 first overflows at the scale where casting each gradient to fp16 already does,
-# on this grid of scales; so does the split. The cell counts both:
+# Halving the scale is exact for a gradient in fp16's normal range: a power of 2 moves only the
+# exponent. A gradient pushed below 6.1e-5, into the subnormals, loses one bit per halving. And
+# dividing by 256 first overflows at the scale where casting each gradient to fp16 already does,
+# on this grid of scales; so does the split. The cell measures both:
 
 # %%
 def cast_overflows(scale):  # each rank's gradient, cast to fp16 before any sum
     return not (grads * scale).to(torch.float16).isfinite().all()
 
 
+def cast_error(scale):  # the smallest tenth's relative error after that cast, scale undone
+    got = (grads * scale).to(torch.float16).double() / scale
+    return relative_error(got[:, small], grads.double()[:, small])
+
+
 cast_safe = max(s for s in SCALES if not cast_overflows(s))
-zeros = [int(((grads * s).to(torch.float16) == 0).sum() - (grads == 0).sum()) for s in (SCALE, scale)]
-print(f"the cast alone: nothing overflows up to 2^{math.log2(cast_safe):.0f}; gradients that "
-      f"round to 0 in fp16: {zeros[0]:,} at 2^16, {zeros[1]:,} at 2^{math.log2(scale):.0f}")
+print(f"the cast alone: nothing overflows up to 2^{math.log2(cast_safe):.0f}; error of the smallest "
+      f"tenth after it: {cast_error(SCALE):.2e} at 2^16, {cast_error(scale):.2e} at "
+      f"2^{math.log2(scale):.0f}, {cast_error(2**-4):.2e} at 2^-4")
 assert largest_safe(divide_first) == largest_safe(split) == cast_safe
-assert zeros[1] > zeros[0]
+assert abs(cast_error(scale) / cast_error(SCALE) - 1) < 1e-9  # the halvings lost nothing
+assert cast_error(2**-4) > cast_error(SCALE)  # the subnormals did
 
 # %% [markdown]
 # But at small scales dividing first loses the small gradients. The split has the good end of
