@@ -358,6 +358,17 @@ def note_launched(world_size: int) -> None:
     _last_launched[:] = [world_size]
 
 
+def micro_batch_label(micro_batches_at: Callable[[int], int]) -> Callable[[int], str]:
+    """A check's ``label`` for :func:`on_ranks` when each rank gets ``micro_batches_at(n)``
+    micro-batches.
+
+        >>> micro_batch_label(lambda n: 3)(2)
+        'on 2 ranks × 3 micro-batches'
+    """
+    return lambda world_size: (f"on {world_size} ranks × {micro_batches_at(world_size)} "
+                               "micro-batches")
+
+
 def on_ranks(worker: Callable, fn: Callable, world_size: int | Sequence[int], timeout: float,
              diagnoses: Sequence[Diagnosis], verified: Callable[[list[Run]], str], *,
              label: Callable[[int], str] = "on {} ranks".format,

@@ -159,6 +159,33 @@ def delivered(calls: Sequence[Call]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
+def count_delivered(calls: Sequence[Call], count: int, per_rank: Sequence[int]) -> str | None:
+    """What ``calls`` delivered of a count that no rank knows alone: "the count N" (as an
+    all_reduce would), "every rank's count" (as an all_gather would), or None.
+
+        >>> count_delivered([], 12, [5, 7]) is None
+        True
+    """
+    got = delivered(calls)
+    if among(torch.tensor([float(count)]), got):
+        return f"the count {count}"
+    if among(torch.tensor([float(c) for c in per_rank]), got):
+        return "every rank's count"
+    return None
+
+
+def count_not_delivered(outs: Sequence[dict], count: int, per_rank: Sequence[int],
+                        what: str) -> str | None:
+    """The first rank whose collectives delivered neither ``count`` nor every rank's count,
+    said with what they did deliver; None if every rank got it."""
+    for rank, out in enumerate(outs):
+        if not count_delivered(out["calls"], count, per_rank):
+            return (f"rank {rank}'s collectives delivered {carried_text(out['calls'])}: never "
+                    f"{what} ({count}), nor every rank's count. Exchange the count with "
+                    "dist.all_reduce, not another way.")
+    return None
+
+
 def calls_text(counts: dict) -> str:
     """"all_reduce 8 times, broadcast once" (or "none")."""
     parts = []
@@ -236,6 +263,41 @@ def scale(got: dict, expected: dict) -> float | None:
     return c if torch.allclose(g, c * e, rtol=RTOL, atol=ATOL) else None
 
 
+#: Two float64 gradients of one step, summed in another order: equal to about 1e-16 relative.
+GRADIENT_RTOL, GRADIENT_ATOL = 1e-7, 1e-12
+
+
+def same_gradient(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat float64 gradients are the same up to the rounding of their sums."""
+    return torch.allclose(a, b, rtol=GRADIENT_RTOL, atol=GRADIENT_ATOL)
+
+
+def named_mistake(got: torch.Tensor, mistakes: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """The words of the first ``(words, gradient)`` that ``got`` is, else None.
+
+        >>> named_mistake(torch.ones(2), [("halved", torch.ones(2) / 2), ("as is", torch.ones(2))])
+        'as is'
+    """
+    return next((words for words, grad in mistakes if same_gradient(got, grad)), None)
+
+
+def gradient_factor(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """``c`` if ``got`` is ``c × expected`` (one flat gradient), else None."""
+    c = (got.dot(expected) / expected.dot(expected)).item()
+    return c if same_gradient(got, c * expected) else None
+
+
+def typed_world_size(c: float, world_size: int) -> int | None:
+    """``k`` if a factor ``c`` is ``k / world_size`` for a whole ``k`` other than 0 and the
+    world size: the world size typed as a number that is right at another size.
+
+        >>> typed_world_size(2 / 3, 3), typed_world_size(1.0, 3)
+        (2, None)
+    """
+    k = round(c * world_size)
+    return k if abs(c * world_size - k) < 1e-6 and k not in (0, world_size) else None
+
+
 def times_text(c: float) -> str:
     return f"{c:.1f}×" if abs(c) >= 1 else f"{c:.2g}×"
 
@@ -286,6 +348,13 @@ def changed_text(before: dict, after: dict, what: str) -> str | None:
     bit for bit, else None."""
     changed = unequal_tensors(after, before)
     return f"{what} {where_text(changed, len(before))}" if changed else None
+
+
+def token_model(vocab: int) -> nn.Module:
+    """A language model of the smallest kind, in float64: an embedding, then a linear layer to
+    the vocabulary; the same initial weights on every rank (seeded)."""
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Embedding(vocab, 6), nn.Linear(6, vocab)).double()
 
 
 def model_and_data(rank: int, batch: int = 8, seed: int | None = None

@@ -30,19 +30,9 @@ def micro_batches_at(world_size: int) -> int:
     return 3 if world_size == 2 else 2
 
 
-def _label(world_size: int) -> str:
-    return f"on {world_size} ranks × {micro_batches_at(world_size)} micro-batches"
-
-
 # --------------------------------------------------------------------------------------------
 # On the ranks
 # --------------------------------------------------------------------------------------------
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(evidence.SEED)  # the same initial weights on every rank
-    return nn.Sequential(nn.Embedding(rollouts.VOCAB_SIZE, 6),
-                         nn.Linear(6, rollouts.VOCAB_SIZE)).double()
 
 
 def _data(world_size: int, micro_batches: int, seed: int) -> list[list[dict]]:
@@ -68,7 +58,7 @@ def _pieces(micro_batches: list[dict]) -> dict:
     the sum of its completions' token means; H, of its token sum; c its completions, n its
     completion tokens, w its padded width."""
     facts: dict[str, list] = {"G": [], "H": [], "c": [], "n": [], "w": []}
-    model = _model()
+    model = evidence.token_model(rollouts.VOCAB_SIZE)
     for b in micro_batches:
         mask = b["mask"]
         per_token = rollouts.per_token_loss(model, b)
@@ -93,7 +83,7 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     seed = [evidence.fresh_seed()]
     dist.broadcast_object_list(seed, src=0)  # every rank draws the same data, keeps its own
     mine = _data(world_size, micro_batches_at(world_size), seed[0])[rank]
-    facts, model = _pieces(mine), _model()
+    facts, model = _pieces(mine), evidence.token_model(rollouts.VOCAB_SIZE)
     ddp = DDP(model)  # built before the recorder: its broadcast of the weights is not yours
     params = evidence.params_of(model)
     given = [{key: t.clone() for key, t in b.items()} for b in mine]
@@ -165,10 +155,6 @@ def _mistakes(run: Run) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=1e-7, atol=1e-12)
-
-
 # --------------------------------------------------------------------------------------------
 # The diagnoses, most telling first: each takes a Run, returns a message or None
 # --------------------------------------------------------------------------------------------
@@ -181,12 +167,12 @@ _micro_batches_touched = common.left_alone(
 def _wrong_gradient(run: Run) -> str | None:
     S = _completions(run)
     got, expected = run.out["grad"], sum(sum(r) for r in _facts(run, "G")) / S
-    if _same(got, expected):
+    if evidence.same_gradient(got, expected):
         return None
     what = f"your gradient is not the mean over all {S} completions of their token means"
-    for mistake, grad in _mistakes(run):
-        if _same(got, grad):
-            return f"{what}: {mistake}"
+    mistake = evidence.named_mistake(got, _mistakes(run))
+    if mistake:
+        return f"{what}: {mistake}"
     return _scaled(run, got, expected, what) or (
         f"{what} (max abs difference {(got - expected).abs().max().item():.3g}), nor any of the "
         "usual mistakes: for each completion, its loss summed over its tokens / its tokens; sum "
@@ -195,14 +181,13 @@ def _wrong_gradient(run: Run) -> str | None:
 
 def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
     """What to say if ``got`` is a multiple of ``expected``: a guessed world size or count?"""
-    c = (got.dot(expected) / expected.dot(expected)).item()
-    if not _same(got, c * expected):
+    c = evidence.gradient_factor(got, expected)
+    if c is None:
         return None
-    k = round(c * run.size)
+    k = evidence.typed_world_size(c, run.size)
     guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
-             "dist.get_world_size()." if abs(c * run.size - k) < 1e-6 and k not in (0, run.size)
-             else " Count the completions of every micro-batch of every rank: one all_reduce, "
-             "never a number you guess.")
+             "dist.get_world_size()." if k else " Count the completions of every micro-batch of "
+             "every rank: one all_reduce, never a number you guess.")
     return (f"{what}: yours are {evidence.times_text(c)} the expected gradients. How do you "
             "count the completions, and scale each loss? / the step's completions × the world "
             "size." + guess + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
@@ -210,20 +195,14 @@ def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, what: str) -> s
 
 def _count_carried(run: Run, out: dict) -> str | None:
     """What a rank's collectives delivered of the counts no rank knows alone."""
-    got = evidence.delivered(out["calls"])
-    if evidence.among(torch.tensor([float(_completions(run))]), got):
-        return f"the count {_completions(run)}"
-    if evidence.among(torch.tensor([float(sum(c)) for c in _facts(run, "c")]), got):
-        return "every rank's count"
-    return None
+    return evidence.count_delivered(out["calls"], _completions(run),
+                                    [sum(c) for c in _facts(run, "c")])
 
 
 def _count_not_carried(run: Run) -> str | None:
-    for rank, out in enumerate(run.outs):
-        if not _count_carried(run, out):
-            return (f"rank {rank}'s collectives delivered {evidence.carried_text(out['calls'])}:"
-                    f" never the step's count of completions ({_completions(run)}), nor every "
-                    "rank's count. Exchange the count with dist.all_reduce, not another way.")
+    return evidence.count_not_delivered(run.outs, _completions(run),
+                                        [sum(c) for c in _facts(run, "c")],
+                                        "the step's count of completions")
 
 
 _synced_every_micro_batch = common.synced_once(lambda run: len(run.out["facts"]["c"]))
@@ -279,4 +258,4 @@ def check_seq_mean_backward(seq_mean_backward: Callable,
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
     return common.on_ranks(_worker, seq_mean_backward, world_size, timeout, DIAGNOSES,
-                           _verified, label=_label)
+                           _verified, label=common.micro_batch_label(micro_batches_at))

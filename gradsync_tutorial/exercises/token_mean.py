@@ -32,18 +32,9 @@ def micro_batches_at(world_size: int) -> int:
     return 4 if world_size == 2 else 3
 
 
-def _label(world_size: int) -> str:
-    return f"on {world_size} ranks × {micro_batches_at(world_size)} micro-batches"
-
-
 # --------------------------------------------------------------------------------------------
 # On the ranks
 # --------------------------------------------------------------------------------------------
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(evidence.SEED)  # the same initial weights on every rank
-    return nn.Sequential(nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB)).double()
 
 
 def _data(world_size: int, micro_batches: int, seed: int) -> list[list[tuple]]:
@@ -76,7 +67,7 @@ def _pieces(micro_batches: list[tuple]) -> dict:
     n, positions m (padding included), each on a fresh copy of the initial model."""
     facts: dict[str, list] = {"S": [], "L": [], "n": [], "m": []}
     for x, y in micro_batches:
-        model = _model()
+        model = evidence.token_model(VOCAB)
         loss = _loss_sum(model, x, y)
         loss.backward()
         facts["S"].append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -106,7 +97,7 @@ def _worker(rank: int, world_size: int, fn: Callable) -> Any:
     seed = [evidence.fresh_seed()]
     dist.broadcast_object_list(seed, src=0)  # every rank draws the same data, keeps its own
     mine = _data(world_size, micro_batches_at(world_size), seed[0])[rank]
-    facts, model = _pieces(mine), _model()
+    facts, model = _pieces(mine), evidence.token_model(VOCAB)
     ddp = DDP(model)  # built before the recorder: its broadcast of the weights is not yours
     params = evidence.params_of(model)
     given = [(x.clone(), y.clone()) for x, y in mine]
@@ -175,10 +166,6 @@ def _mistakes(run: Run) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=1e-7, atol=1e-12)
-
-
 # --------------------------------------------------------------------------------------------
 # The diagnoses, most telling first: each takes a Run, returns a message or None
 # --------------------------------------------------------------------------------------------
@@ -191,11 +178,11 @@ _micro_batches_touched = common.left_alone(
 def _wrong_gradient(run: Run) -> str | None:
     S, _, T, _ = _totals(run)
     got, expected = run.out["grad"], sum(sum(r) for r in S) / T
-    if _same(got, expected):
+    if evidence.same_gradient(got, expected):
         return None
-    for mistake, grad in _mistakes(run):
-        if _same(got, grad):
-            return f"your gradient is not the mean over all {T} valid tokens: {mistake}"
+    mistake = evidence.named_mistake(got, _mistakes(run))
+    if mistake:
+        return f"your gradient is not the mean over all {T} valid tokens: {mistake}"
     return _scaled(run, got, expected, T) or (
         f"your gradient is not the mean over all {T} valid tokens (max abs difference "
         f"{(got - expected).abs().max().item():.3g}), nor any of the usual mistakes: sum the "
@@ -205,13 +192,12 @@ def _wrong_gradient(run: Run) -> str | None:
 
 def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str | None:
     """What to say if ``got`` is a multiple of ``expected``: × a hard-coded world size?"""
-    c = (got.dot(expected) / expected.dot(expected)).item()
-    if not _same(got, c * expected):
+    c = evidence.gradient_factor(got, expected)
+    if c is None:
         return None
-    k = round(c * run.size)
+    k = evidence.typed_world_size(c, run.size)
     guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
-             f"dist.get_world_size(): it is not always {k}."
-             if abs(c * run.size - k) < 1e-6 and k not in (0, run.size) else "")
+             f"dist.get_world_size(): it is not always {k}." if k else "")
     return (f"your gradients are {evidence.times_text(c)} the expected ones (the gradient of "
             f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
             "sum? / the global count × the world size." + guess
@@ -248,23 +234,15 @@ def _count_carried(run: Run, out: dict) -> str | None:
     """What a rank's collectives delivered of the counts no rank knows alone: "the count T"
     (all-reduced), "every rank's count" (all-gathered), or None."""
     _, n, T, _ = _totals(run)
-    got = evidence.delivered(out["calls"])
-    if evidence.among(torch.tensor([float(T)]), got):
-        return f"the count {T}"
-    if evidence.among(torch.tensor([float(sum(c)) for c in n]), got):
-        return "every rank's count"
-    return None
+    return evidence.count_delivered(out["calls"], T, [sum(c) for c in n])
 
 
 def _count_not_carried(run: Run) -> str | None:
     """The global count is known to no rank alone: a collective must have delivered it (or
     every rank's count, as an all_gather would)."""
-    for rank, out in enumerate(run.outs):
-        if not _count_carried(run, out):
-            return (f"rank {rank}'s collectives delivered {evidence.carried_text(out['calls'])}:"
-                    f" never the count of valid tokens of all the ranks ({_totals(run)[2]}), nor "
-                    "every rank's count. Exchange the count with dist.all_reduce, not another "
-                    "way.")
+    _, n, T, _ = _totals(run)
+    return evidence.count_not_delivered(run.outs, T, [sum(c) for c in n],
+                                        "the count of valid tokens of all the ranks")
 
 
 _synced_every_micro_batch = common.synced_once(lambda run: len(run.out["facts"]["n"]))
@@ -317,4 +295,4 @@ def check_token_mean_backward(token_mean_backward: Callable,
     """
     __tracebackhide__ = True  # IPython and pytest show the message, not this frame
     return common.on_ranks(_worker, token_mean_backward, world_size, timeout, DIAGNOSES,
-                           _verified, label=_label)
+                           _verified, label=common.micro_batch_label(micro_batches_at))
