@@ -966,7 +966,7 @@ fig = gst.plots.plot_loss_curves(
 #         torch.testing.assert_close(p.grad, q.grad)
 #     print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches, "
 #           f"on {device} ({dist.get_backend()})")
-#     del ddp                                    # free DDP before its group: gloo can abort else
+#     del ddp                                    # free DDP before its group (notebook 06: why)
 #     dist.destroy_process_group()
 #
 #
@@ -984,9 +984,10 @@ fig = gst.plots.plot_loss_curves(
 #   Evaluate through the wrapper on every rank, or `model.module` on rank 0 alone.
 # - `with model.no_sync():` for all but the last micro-batch (accumulation, notebook 03).
 #
-# Under nccl, pass `monitored_barrier` a gloo group, `dist.new_group(backend="gloo")`. To count what
-# your code communicates, set `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch). The course's helper does it
-# too: `with gst.detect.count_collectives() as calls:` (and `calls.watch(ddp_model)`).
+# Under nccl, pass `monitored_barrier` a gloo group, `dist.new_group(backend="gloo")`. To check
+# that every rank makes the same calls, set `TORCH_DISTRIBUTED_DEBUG=DETAIL` (torch). To count
+# them, use the course's helper: `with gst.detect.count_collectives() as calls:` (and
+# `calls.watch(ddp_model)`).
 #
 # ## Exercise
 #

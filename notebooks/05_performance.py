@@ -499,8 +499,8 @@ for variant, results in runs.items():
 # With 2 ranks the parameters are bit-identical to DDP's. A sum of 2 numbers does not depend on
 # their order, and DDP's multiplication by 1/2 is exact (see "Divide, then sum" below). With more
 # ranks, gloo adds the N numbers in an order that depends on where each one sits in the buffer. Each
-# variant lays the gradients out differently, so the last bits can differ. Notebook 03 finds the
-# same for DDP against manual averaging. One `all_reduce` of the CNN's gradients, per parameter and
+# variant lays the gradients out differently, so the last bits can differ. Against manual averaging,
+# notebook 03 finds a second cause: DDP scales by 1/N before the sum. One `all_reduce` of the CNN's gradients, per parameter and
 # in one flat buffer, on 2, 3 and 4 ranks:
 
 # %%
@@ -582,8 +582,9 @@ assert all(r["calls"] == 1 for r in rows if r["name"] == "flat")
 # * **Flat**, **bucketed** and **overlap** make one or two calls a step, as DDP does. On this
 #   machine they take about DDP's time, within the noise of the measurement.
 # * **Overlap** hides communication behind backward only if something else moves the bytes while
-#   backward computes. On a CPU with one core per rank, gloo's communication thread takes turns with
-#   backward on the same core. So overlapping, DDP's included, saves nothing here. That is why a
+#   backward computes. On a CPU with one core per rank, gloo's communication thread has to share
+#   that core with backward (our reading of the timings, not measured apart). So overlapping, DDP's
+#   included, saves nothing here. That is why a
 #   variant that does not overlap can match or beat DDP on this machine. On GPUs the interconnect
 #   moves the bytes while the GPU computes (PyTorch's DDP notes, quoted at the top). That is
 #   expected, not measured here.

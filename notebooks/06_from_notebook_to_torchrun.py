@@ -224,8 +224,8 @@ diff = gst.checks.compare_state_dicts(
 
 # %% [markdown]
 # On CPUs the two runs add the same numbers in the same order, so they agree to the last bit. On
-# GPUs kernels may add in another order, so the check allows 1e-5. The script asks cuDNN for
-# deterministic kernels, `torch.backends.cudnn.deterministic = True`.
+# GPUs kernels may add in another order, so the check allows 1e-5 (not yet run on GPUs). The
+# script asks cuDNN for deterministic kernels, `torch.backends.cudnn.deterministic = True`.
 
 # %%
 ON_GPU = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD_SIZE
@@ -403,7 +403,8 @@ assert min(drift["rank 0's"]) > 1e-4  # other masks on rank 1, and through the a
 # that the result does not depend on how the ranks are spread. 2 agents with `WORLD_SIZE / 2` ranks
 # each must give what 1 agent with `WORLD_SIZE` ranks gave. `is_host` says which agent hosts the
 # store; on real machines torchrun works it out from the host name. With GPUs, each agent gets GPUs
-# of its own, as each machine would.
+# of its own, as each machine would (`CUDA_VISIBLE_DEVICES` below; not yet run on GPUs). Only
+# rank 0 logs, so the agent without it prints nothing.
 
 # %%
 with socket.socket() as s:  # a free port for the rendezvous

@@ -599,8 +599,9 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 # %% [markdown]
 # These steps last a few milliseconds, so one more collective is a visible share of them. Its bytes
 # do not grow with the model: one number. Its time is latency and waiting, which this machine's
-# neighbours change from run to run. So time your own step to see yours: the longer the step, the smaller the share. The torchtitan trainer keeps the
-# count on the GPU, to avoid a CPU synchronization (quoted below).
+# neighbours change from run to run. A difference below zero is that noise, larger than the count's
+# cost. So time your own step to see yours: the longer the step, the smaller the share. The
+# torchtitan trainer keeps the count on the GPU, to avoid a CPU synchronization (quoted below).
 #
 # ## How the frameworks spell it
 #
@@ -746,6 +747,7 @@ assert all(t["global"] > 0 and t["per rank"] > 0 for t in timed.values())
 #     mean loss over every valid token of every rank. Returns that loss (to log)."""
 #     count = sum((targets != IGNORE_INDEX).sum() for _, targets in micro_batches)
 #     dist.all_reduce(count)                     # the valid tokens of all micro-batches and ranks
+#     count = count.clamp(min=1)                 # a step of padding only: loss 0, not NaN
 #     total = torch.zeros((), device=count.device)
 #     for k, (inputs, targets) in enumerate(micro_batches):
 #         last = k == len(micro_batches) - 1

@@ -22,8 +22,8 @@
 # 3. An **all-gather** then gives every rank every updated shard.
 #
 # A reduce-scatter and an all-gather carry the sums of one `all_reduce`. On gloo they are equal bit
-# for bit (measured below). On NCCL they may add in another order (notebook 09). So the division by
-# N is still needed, once.
+# for bit, random floats included (measured below). On NCCL they may add in another order
+# (notebook 09). So the division by N is still needed, once.
 
 # %%
 import os
@@ -86,7 +86,15 @@ def three_collectives(rank, world_size):
     reduce_scatter(averaged, mine, op=dist.ReduceOp.AVG)  # rank r: the mean of piece r
     print(f"mine {mine.tolist()} -> my piece of the sum {shard.tolist()}, "
           f"of the mean {averaged.tolist()}")
-    return {"summed": summed, "shard": shard, "gathered": gathered, "averaged": averaged}
+    floats = torch.randn(1000 * world_size, generator=torch.Generator().manual_seed(rank))
+    floats = floats.to(device)  # whole numbers add exactly in any order; random floats may not
+    floats_summed, floats_shard = floats.clone(), torch.empty(1000, device=device)
+    dist.all_reduce(floats_summed)
+    reduce_scatter(floats_shard, floats, op=dist.ReduceOp.SUM)
+    floats_gathered = torch.empty_like(floats)
+    all_gather(floats_gathered, floats_shard)
+    return {"summed": summed, "shard": shard, "gathered": gathered, "averaged": averaged,
+            "floats": (floats_summed.cpu(), floats_gathered.cpu())}
 
 pieces = gst.launch(three_collectives, world_size=WORLD_SIZE)
 
@@ -96,8 +104,9 @@ for rank, p in enumerate(pieces):
     assert torch.equal(p["shard"], whole_sum[2 * rank : 2 * rank + 2])  # piece r of the sum
     assert torch.equal(p["gathered"], whole_sum)  # bit for bit what all_reduce gives
     assert torch.allclose(p["averaged"], p["shard"] / WORLD_SIZE)
+    assert torch.equal(*p["floats"])  # random floats too: the same order of additions
 print(f"all_reduce: {whole_sum.tolist()} on every rank")
-print("reduce_scatter then all_gather: the same, bit for bit, on every rank")
+print("reduce_scatter then all_gather: the same, bit for bit, on every rank, random floats too")
 
 # %% [markdown]
 # A ring all-reduce works the same way inside: a reduce-scatter phase, then an all-gather phase.

@@ -48,7 +48,7 @@ NAME = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
 # | setup | where the sum is |
 # |---|---|
 # | `torch.autocast` alone (its gradients are float32) | float32 |
-# | FSDP2 with `reduce_dtype=torch.float32` | float32 |
+# | FSDP2 with `reduce_dtype=torch.float32` | float32 (a tensor-parallel sum stays bf16: notebook 10) |
 # | DDP's `bf16_compress_hook` and `fp16_compress_hook`, a model converted to bf16 | 16 bits |
 # | a model converted to bf16, with a hook that casts each bucket to float32 (section 3) | float32 |
 #

@@ -433,10 +433,11 @@ for name, gap in steps.items():
     print(f"one {name} step (lr 1e-3) with the × {MESH_SHAPE[0]} gradients: parameters off by {gap:.2g}")
 assert abs(norms[0] / norms[1] - MESH_SHAPE[0]) < 1e-12  # the norm shows the factor
 assert steps["AdamW"] < 1e-6 < 1e-4 < steps["SGD"]  # AdamW all but hides it; SGD does not
-#
+
+# %% [markdown]
 # ### In float32, gloo refuses a divide factor
 #
-# Every factor above worked, on gloo as on nccl, because float64 takes FSDP2's SUM path. In
+# Every factor above worked on gloo (nccl not run here), because float64 takes FSDP2's SUM path. In
 # float32, FSDP2 sends a factor other than the shard size as `ReduceOp.PREMUL_SUM` (notebook 08
 # reads the source that picks it). Gloo has no `PREMUL_SUM`. Here is the sum, factor 1, in
 # float32. It gets a launch of its own, since a failed collective breaks its process group.
@@ -455,7 +456,8 @@ assert premul_error == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
 # %% [markdown]
 # In float32 on gloo, leave the factor at its default and scale the loss instead. Multiply it
 # by R·S / the factor you wanted: × 4 for the sum. Float64, as above, is the other way out.
-# Notebook 08 shows a third, `set_force_sum_reduction_for_comms(True)`. The loss × 4, against
+# Notebook 08 shows a third, `set_force_sum_reduction_for_comms(True)`, on one mesh dimension (not
+# run on HSDP here). The loss × 4, against
 # float64's factor 1:
 
 # %%
@@ -833,6 +835,7 @@ assert "Partial(sum)" in rows[2][5] and "Shard" in rows[1][3] and "Replicate" in
 #         optimizer.zero_grad()
 #         errors = (model(x[rows, tokens]) - y[rows, tokens]) ** 2
 #         loss = errors.sum() / y[rows].numel()  # NOT errors.mean(): that is tp times too large
+#         # (no padding here; with padding, divide by the valid tokens, all-reduced over dp and tp)
 #         loss.backward()
 #         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # counts each once
 #         optimizer.step()

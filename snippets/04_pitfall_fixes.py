@@ -120,7 +120,7 @@ def main():
         torch.testing.assert_close(p.grad, q.grad)
     print(f"rank {rank}: replicas equal; DDP's gradient == the global mean's on uneven batches, "
           f"on {device} ({dist.get_backend()})")
-    del ddp                                    # free DDP before its group: gloo can abort else
+    del ddp                                    # free DDP before its group (notebook 06: why)
     dist.destroy_process_group()
 
 

@@ -69,6 +69,7 @@ def token_mean_backward(model, micro_batches):
     mean loss over every valid token of every rank. Returns that loss (to log)."""
     count = sum((targets != IGNORE_INDEX).sum() for _, targets in micro_batches)
     dist.all_reduce(count)                     # the valid tokens of all micro-batches and ranks
+    count = count.clamp(min=1)                 # a step of padding only: loss 0, not NaN
     total = torch.zeros((), device=count.device)
     for k, (inputs, targets) in enumerate(micro_batches):
         last = k == len(micro_batches) - 1

@@ -88,6 +88,7 @@ def main():
         optimizer.zero_grad()
         errors = (model(x[rows, tokens]) - y[rows, tokens]) ** 2
         loss = errors.sum() / y[rows].numel()  # NOT errors.mean(): that is tp times too large
+        # (no padding here; with padding, divide by the valid tokens, all-reduced over dp and tp)
         loss.backward()
         norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # counts each once
         optimizer.step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,17 @@ def test_notebook_matches_its_source(path):
         f"{path.name} differs from its source {source.name}: {difference}. Edit the source, "
         f"then rebuild: make notebooks NB={path.name[:2]}"
     )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_markdown_heading_hides_in_a_code_cell(path):
+    """A markdown cell whose ``# %% [markdown]`` line was lost joins the code cell above it: its
+    heading and prose show as comments in code (notebook 10 had one)."""
+    nb = nbformat.read(path, as_version=4)
+    hidden = [(i, line) for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+              for line in cell.source.splitlines() if re.match(r"^# #{1,4} \S", line)]
+    assert not hidden, (f"{path.name}: cell {hidden[0][0]} is code but holds the markdown "
+                        f"heading {hidden[0][1]!r}: put '# %% [markdown]' before it in the source")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
