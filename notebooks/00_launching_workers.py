@@ -109,8 +109,11 @@ assert len(causes) == 1 and "Can't get attribute 'hello' on <module '__main__'" 
 # Everything a rank prints appears below the cell, tagged with its rank. Here is the "hello world"
 # of distributed training: every rank contributes a number, and **every rank receives the sum**.
 # `all_reduce` is a **collective**: an operation that every rank of the group must call, each with
-# its own tensor. With gloo it returns when all of them have called it. With nccl the call is queued
-# on the GPU and returns at once. The tensor lives on the rank's device, `gst.local_device()`. That
+# its own tensor. With gloo it returns when all of them have called it. With nccl it may return
+# before the GPU is done: "it is not guaranteed that the CUDA operation is completed, since CUDA
+# operations are asynchronous" (torch's
+# [docs](https://docs.pytorch.org/docs/stable/distributed.html#synchronous-and-asynchronous-collective-operations)).
+# The tensor lives on the rank's device, `gst.local_device()`. That
 # is the CPU here, and GPU `LOCAL_RANK` under nccl. nccl takes GPU tensors only, per torch's
 # [table of backends](https://docs.pytorch.org/docs/stable/distributed.html#backends).
 

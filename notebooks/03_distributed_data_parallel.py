@@ -341,7 +341,8 @@ assert abs(fixed["accuracy"] - correct / N_EVAL) <= 1e-7
 #
 # Notebook 04's gallery has three pitfalls whose fix is an option of DDP. They are measured here: an
 # unused parameter, BatchNorm buffers and gradient accumulation. Each one compares notebook 02's
-# manual averaging with DDP.
+# manual averaging with DDP. On a first read you may skip to "Copy this into your code": the
+# answer does not depend on them.
 #
 # ### Unused parameter: a parameter without a gradient
 #

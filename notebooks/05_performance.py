@@ -832,8 +832,11 @@ for n, results in ring_rows.items():
 
 # %% [markdown]
 # Each rank sends 2(N−1)/N times the tensor: 1× for 2 ranks, 1.5× for 4, never more than 2×. Among
-# algorithms in which the ranks do the additions themselves, none can send less. That is why the
-# ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
+# algorithms in which the ranks do the additions themselves, none can send less. NCCL's tests say
+# why: each element needs "2(n-1) data transfers", over n links, "independent of the algorithm used
+# (ring, tree, or other) as long as they use point-to-point operations"
+# ([nccl-tests](https://github.com/NVIDIA/nccl-tests/blob/03a204a1f38aaea17f1a777885bb2d9600ba7eff/doc/PERFORMANCE.md)).
+# That is why the ring is *bandwidth*-optimal. Hardware that adds in the network changes the count. The same NCCL
 # page says: "NVLS and NVLSTree enable NVLink SHARP offload". NVLink SHARP lets the NVLink switch
 # inside a machine do the additions. An NCCL maintainer calls it "an AllReduce offload system over
 # NVLink only" ([NVIDIA/nccl#1031](https://github.com/NVIDIA/nccl/issues/1031)). CollNet is the same

@@ -507,7 +507,7 @@ for grad in (None, torch.zeros(2)):
 #
 # Here the experts' rule is the mean form: each rank's mean, ÷ W, the data shards. Notebooks 10
 # and 11 reach the rule for 2-D meshes, tensor parallelism and pipelines. The table below is
-# computed from this notebook's checks, at W = 4.
+# computed from this notebook's checks, at W = 4 but for its last row.
 
 # %%
 W4 = 4
@@ -530,7 +530,8 @@ checks = [  # (notebooks, the rule's part, what this notebook did, its result)
     ("07", "÷ the tokens in the loss", f"expert ÷ its own tokens (W = {WORLD_SIZE})",
      own_ratios),
 ]
-print(f"W = {W4}, EP {EP}, EDP {W4 // EP}; result against one process on the union batch")
+print(f"W = {W4}, EP {EP}, EDP {W4 // EP} (the last row: W = {WORLD_SIZE}, computed above); "
+      "result against one process on the union batch")
 print(f"{'nb':<4}{'the rule':<26}{'this notebook':<38}result")
 for nb, part, did, result in checks:
     shown = (f"exact ({result:.1g})" if isinstance(result, float)
