@@ -687,6 +687,7 @@ for n in (2, 3):
 for n in (2, 3):
     hooked, plain = upcast["fp32_allreduce_hook", n], upcast["DDP's reduction", n]
     assert hooked["carried"] == ["fp32"] and plain["carried"] == ["bf16"]
+    assert torch.float32.itemsize == 2 * torch.bfloat16.itemsize  # the hook sends twice the bytes
     assert hooked["grad"] == "bf16" and hooked["rounded once"] > 1 - 1e-3  # a tie, at most
 assert upcast["DDP's reduction", 3]["rounded once"] < 0.9  # a bf16 sum of 3 rounds twice
 assert upcast["fp32_allreduce_hook", 3]["error"] < upcast["DDP's reduction", 3]["error"]

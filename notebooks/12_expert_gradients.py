@@ -475,7 +475,7 @@ print("expert 1, 0 tokens: its gradient is zeros on its ranks, as in one process
 
 # %% [markdown]
 # Zeros, not `None`, matter twice. Every rank of the EDP group must call the same all-reduce,
-# or the group hangs (notebook 04's skipped collective). And an optimizer skips a parameter
+# or the group hangs (notebook 04 shows such a hang; this one is not run here). And an optimizer skips a parameter
 # whose `.grad` is `None`, weight decay included:
 
 # %%

@@ -298,6 +298,20 @@ def typed_world_size(c: float, world_size: int) -> int | None:
     return k if abs(c * world_size - k) < 1e-6 and k not in (0, world_size) else None
 
 
+def wrong_scale(got: torch.Tensor, expected: torch.Tensor, world_size: int, micro: int,
+                said: str, unguessed: str = "") -> str | None:
+    """What to say when a gradient is ``c ×`` the expected one: ``said`` with ``{times}`` filled
+    in, a world size typed as a number if ``c`` points to one (else ``unguessed``), and what the
+    factor means (:func:`factor_words`). None if ``got`` is no multiple of ``expected``."""
+    c = gradient_factor(got, expected)
+    if c is None:
+        return None
+    k = typed_world_size(c, world_size)
+    guess = (f" Did you multiply by {k} instead of the world size ({world_size} here)? Use "
+             f"dist.get_world_size(): it is not always {k}." if k else unguessed)
+    return said.format(times=times_text(c)) + guess + factor_words(c, world_size, micro)
+
+
 def times_text(c: float) -> str:
     return f"{c:.1f}×" if abs(c) >= 1 else f"{c:.2g}×"
 

@@ -181,16 +181,12 @@ def _wrong_gradient(run: Run) -> str | None:
 
 def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, what: str) -> str | None:
     """What to say if ``got`` is a multiple of ``expected``: a guessed world size or count?"""
-    c = evidence.gradient_factor(got, expected)
-    if c is None:
-        return None
-    k = evidence.typed_world_size(c, run.size)
-    guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
-             "dist.get_world_size()." if k else " Count the completions of every micro-batch of "
-             "every rank: one all_reduce, never a number you guess.")
-    return (f"{what}: yours are {evidence.times_text(c)} the expected gradients. How do you "
-            "count the completions, and scale each loss? / the step's completions × the world "
-            "size." + guess + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
+    return evidence.wrong_scale(
+        got, expected, run.size, micro_batches_at(run.size),
+        what + ": yours are {times} the expected gradients. How do you count the completions, "
+        "and scale each loss? / the step's completions × the world size.",
+        unguessed=" Count the completions of every micro-batch of every rank: one all_reduce, "
+        "never a number you guess.")
 
 
 def _count_carried(run: Run, out: dict) -> str | None:

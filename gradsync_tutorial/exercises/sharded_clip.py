@@ -214,29 +214,36 @@ def _shard_mistake(run: Run, rank: int, got: torch.Tensor, expected: dict) -> st
             f"{evidence.max_abs_diff(got.double(), right):.3g}).")
 
 
-def _not_clipped_by_the_norm(run: Run) -> str | None:
+def _first_rank_off(run: Run, case_name: str, right: Callable, said: Callable) -> str | None:
+    """The first rank whose shard in case ``case_name`` is not ``right(rank, case, expected)``,
+    told by ``said(rank, case, expected)``; None if every rank's is."""
     expected = _expected(run)
     for rank, out in enumerate(run.outs):
-        case = out["cases"]["clipping"]
-        right = _clipped(expected["shards"][rank], case["max_norm"], expected["norm"])
-        if not _close(case["got"], right):
+        case = out["cases"][case_name]
+        if not _close(case["got"], right(rank, case, expected)):
             return (f"on rank {rank} of {run.size}, with max_norm {case['max_norm']:.3g}, "
-                    f"{_clip_mistake(run, rank, case, expected)}")
+                    + said(rank, case, expected))
+    return None
+
+
+def _not_clipped_by_the_norm(run: Run) -> str | None:
+    return _first_rank_off(
+        run, "clipping", lambda r, case, e: _clipped(e["shards"][r], case["max_norm"], e["norm"]),
+        lambda r, case, e: _clip_mistake(run, r, case, e))
 
 
 def _clipped_below_max_norm(run: Run) -> str | None:
     """max_norm above the norm: nothing to clip. A squared norm compared with max_norm clips."""
-    expected = _expected(run)
-    for rank, out in enumerate(run.outs):
-        case = out["cases"]["max_norm just above the norm"]
-        if not _close(case["got"], expected["shards"][rank]):
-            c = _ratio(case["got"], expected["shards"][rank])
-            how = f" (×{c:.3g})" if c is not None else ""
-            return (f"on rank {rank} of {run.size}, with max_norm {case['max_norm']:.3g}, above "
-                    f"the gradient's norm {expected['norm']:.4g}, your shard changed{how}: clip "
-                    "only when the norm itself, the square root of the summed squares, exceeds "
-                    "max_norm (not the squared norm), and never scale up: min(1, max_norm / "
-                    "(norm + 1e-6)).")
+    def said(rank: int, case: dict, expected: dict) -> str:
+        c = _ratio(case["got"], expected["shards"][rank])
+        how = f" (×{c:.3g})" if c is not None else ""
+        return (f"above the gradient's norm {expected['norm']:.4g}, your shard changed{how}: "
+                "clip only when the norm itself, the square root of the summed squares, exceeds "
+                "max_norm (not the squared norm), and never scale up: min(1, max_norm / "
+                "(norm + 1e-6)).")
+
+    return _first_rank_off(run, "max_norm just above the norm",
+                           lambda r, case, e: e["shards"][r], said)
 
 
 def _clip_mistake(run: Run, rank: int, case: dict, expected: dict) -> str:

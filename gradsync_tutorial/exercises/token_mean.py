@@ -192,16 +192,11 @@ def _wrong_gradient(run: Run) -> str | None:
 
 def _scaled(run: Run, got: torch.Tensor, expected: torch.Tensor, T: int) -> str | None:
     """What to say if ``got`` is a multiple of ``expected``: × a hard-coded world size?"""
-    c = evidence.gradient_factor(got, expected)
-    if c is None:
-        return None
-    k = evidence.typed_world_size(c, run.size)
-    guess = (f" Did you multiply by {k} instead of the world size ({run.size} here)? Use "
-             f"dist.get_world_size(): it is not always {k}." if k else "")
-    return (f"your gradients are {evidence.times_text(c)} the expected ones (the gradient of "
-            f"the mean over all {T} valid tokens): how do you scale each micro-batch's loss "
-            "sum? / the global count × the world size." + guess
-            + evidence.factor_words(c, run.size, micro_batches_at(run.size)))
+    return evidence.wrong_scale(
+        got, expected, run.size, micro_batches_at(run.size),
+        "your gradients are {times} the expected ones (the gradient of the mean over all "
+        f"{T} valid tokens): how do you scale each micro-batch's loss sum? / the global count × "
+        "the world size.")
 
 
 def _wrong_loss(run: Run) -> str | None:
