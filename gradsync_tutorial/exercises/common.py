@@ -335,11 +335,18 @@ def sizes(value: int | Sequence[int], name: str, minimum: int, what: str = "") -
 
 
 def sizes_text(runs: Sequence[Run]) -> str:
-    """"on 2 and 4 ranks": every run's label, joined."""
-    labels = [r.label for r in runs]
+    """"on 2 and 4 ranks", "on 2, 3 and 4 ranks": every run's label, joined, smallest first.
+
+        >>> sizes_text([Run("f", n, [], f"on {n} ranks") for n in (2, 4, 3)])
+        'on 2, 3 and 4 ranks'
+    """
+    def listed(words: list[str]) -> str:
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+    labels = [r.label for r in sorted(runs, key=lambda r: r.size)]
     if all(label.startswith("on ") and label.endswith(" ranks") for label in labels):
-        return "on " + " and ".join(label[3:-6] for label in labels) + " ranks"
-    return " and ".join(labels)
+        return "on " + listed([label[3:-6] for label in labels]) + " ranks"
+    return listed(labels)
 
 
 # The world size the last check launched at last: `launch` keeps one pool of idle workers, of
