@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import posixpath
 import re
@@ -42,7 +41,7 @@ from pathlib import Path
 import nbformat
 
 from gradsync_tutorial.notebooks import MENTION as NOTEBOOK_MENTION
-from gradsync_tutorial.notebooks import paths
+from gradsync_tutorial.notebooks import load_tool, paths
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = Path(__file__).resolve().parent
@@ -318,11 +317,7 @@ def course_parts(course: Course) -> list[tuple[str, list[str]]]:
     """The site's navigation: the course's parts (``notebooks/course.toml``, read by
     ``tools/course.py``, as the README's tables are), each with its notebooks' pages. A notebook
     with no source yet (so in no part) comes last, under "The course"."""
-    spec = importlib.util.spec_from_file_location("tools_course",
-                                                  course.root / "tools" / "course.py")
-    record = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = record  # dataclasses look their module up there
-    spec.loader.exec_module(record)
+    record = load_tool("course", course.root)
     stems = {number: f"notebooks/{path.stem}" for number, path in course.notebooks.items()}
     parts = [(f"Part {i} — {part.title}", [stems[n] for n in part.notebooks if n in stems])
              for i, part in enumerate(record.read(course.root).parts, 1)]

@@ -124,6 +124,25 @@ def function_source(notebook: str, name: str) -> str:
     return "\n".join(lines[first - 1 : node.end_lineno]) + "\n"
 
 
+def load_tool(name: str, root: Path | str | None = None) -> Any:
+    """``tools/NAME.py`` of a checkout (default: this one), a maintainer's script and no package,
+    loaded as the module ``tools_NAME``. It is registered in ``sys.modules``, where its
+    dataclasses look their module up. The tools, the site's build and the tests load them so.
+
+        >>> load_tool("course").words(["14", "15"])
+        'notebooks 14 and 15'
+    """
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        f"tools_{name}", Path(root or REPO) / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_function(notebook: str, name: str, requires: Sequence[str] = (),
                   settings: Mapping[str, Any] | None = None) -> Callable:
     """Run a notebook's first code cell (its settings and imports), the definitions of the

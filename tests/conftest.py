@@ -4,7 +4,6 @@ worker processes, so tests can prove none is left."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,11 +27,9 @@ SNIPPETS = paths("snippet")
 @functools.cache
 def tool(name: str):
     """``tools/NAME.py``, a maintainer's script (not a package), loaded as a module."""
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from gradsync_tutorial.notebooks import load_tool
+
+    return load_tool(name, REPO)
 
 
 def worker_pids() -> list[int]:

@@ -25,7 +25,6 @@ source, ``notebooks/NN_*.py``, gets the same changes, so the two stay in sync. I
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-from gradsync_tutorial.notebooks import paths
+from gradsync_tutorial.notebooks import load_tool, paths
 
 REPO = Path(__file__).resolve().parent.parent
 BADGE_SVG = "https://colab.research.google.com/assets/colab-badge.svg"
@@ -114,10 +113,7 @@ def _add(nb: nbformat.NotebookNode, path: Path, owner: str, name: str, branch: s
 def add_to_readme(root: Path) -> int:
     """The README's notebook table written again (``tools/course.py``): each row takes the badge
     of its notebook's title cell. Returns how many rows have one."""
-    spec = importlib.util.spec_from_file_location("tools_course", root / "tools" / "course.py")
-    course = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = course  # dataclasses look their module up there
-    spec.loader.exec_module(course)
+    course = load_tool("course", root)
     (root / "README.md").write_text(course.readme(root), encoding="utf-8")
     return sum(1 for nb in course.read(root).notebooks.values() if nb.badge)
 

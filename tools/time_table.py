@@ -39,7 +39,6 @@ budget, printed at the end: each notebook at most 2 minutes, 00 to 06 at most 8 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -49,6 +48,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gradsync_tutorial._wording import duration
+from gradsync_tutorial.notebooks import load_tool
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -57,23 +57,14 @@ README = REPO / "README.md"
 BUDGET_EACH, BUDGET_CORE = 120, 8 * 60  # seconds: each notebook; notebooks 00 to 06 together
 CORE = [f"{n:02d}" for n in range(7)]  # the notebooks the 8-minute budget is for
 
-def _tool(name: str):
-    """``tools/NAME.py``, loaded from the folder this script is in (tools are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _notebooks_script():
     """tools/build_notebooks.py: the build."""
-    return _tool("build_notebooks")
+    return load_tool("build_notebooks", REPO)
 
 
 def _course():
     """tools/course.py: the README's tables, written from notebooks/course.toml."""
-    return _tool("course")
+    return load_tool("course", REPO)
 
 
 
